@@ -1,0 +1,345 @@
+"""Configuration value objects: the model's shape (read from `config.json`) and the engine's options.
+
+`ModelConfig.from_dict` accepts the Hugging Face `DeepseekV4Config` fields, the legacy fields older V4
+checkpoints ship (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`), and the official
+reference's `ModelArgs` names (`dim`, `n_layers`, `n_heads`, `moe_inter_dim`, ...), so a checkpoint directory
+from any of those sources loads without edits. Plain Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE = "hash_moe"
+MOE = "moe"
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+class ConfigError(ValueError):
+    """A `config.json` that deepserve cannot serve; the message names the field and the problem."""
+
+
+# official reference (`inference/model.py` ModelArgs) name -> HF field name
+_OFFICIAL_TO_HF = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "norm_eps": "rms_norm_eps",
+    "window_size": "sliding_window",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "n_hash_layers": "num_hash_layers",
+    "rope_head_dim": "qk_rope_head_dim",
+    "rope_factor": "_rope_factor",
+    "original_seq_len": "_original_seq_len",
+    "beta_fast": "_beta_fast",
+    "beta_slow": "_beta_slow",
+    "max_seq_len": "max_position_embeddings",
+}
+_RATIO_TO_TYPE = {0: SLIDING, 1: SLIDING}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """One RoPE flavour: base `theta`, rotated dims, and the optional YaRN frequency ramp."""
+
+    theta: float
+    rotary_dim: int
+    yarn_factor: float | None = None
+    yarn_original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inv_freq(self) -> list[float]:
+        """Inverse frequencies of the rotated pairs, YaRN-ramped where configured (equal to HF's)."""
+        dim = self.rotary_dim
+        base = [1.0 / (self.theta ** (i / dim)) for i in range(0, dim, 2)]
+        if not self.yarn_factor or self.yarn_factor == 1.0:
+            return base
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.yarn_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for i, f in enumerate(base):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0 = keep, 1 = interpolate
+            out.append(f / self.yarn_factor * ramp + f * (1.0 - ramp))
+        return out
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The shape of a DeepSeek-V4 checkpoint. Field names follow Hugging Face's `DeepseekV4Config`."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    qk_rope_head_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    compress_rates: dict[str, int]
+    main_rope: RopeConfig
+    compress_rope: RopeConfig
+    max_position_embeddings: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str
+    routed_scaling_factor: float
+    swiglu_limit: float
+    num_nextn_predict_layers: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    quantization_config: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"unknown attention layer type(s) {bad}; expected one of {list(LAYER_TYPES)}")
+        bad = sorted({t for t in self.mlp_layer_types if t not in (HASH_MOE, MOE)})
+        if bad:
+            raise ConfigError(f"unknown mlp layer type(s) {bad}; expected 'hash_moe' or 'moe'")
+        if self.num_attention_heads % self.o_groups:
+            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not divisible by o_groups {self.o_groups}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
+            raise ConfigError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most head_dim {self.head_dim}")
+        if self.scoring_func != "sqrtsoftplus":
+            raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (DeepSeek-V4 uses 'sqrtsoftplus')")
+        if self.n_shared_experts != 1:
+            raise ConfigError(f"n_shared_experts must be 1 for DeepSeek-V4, got {self.n_shared_experts}")
+        for kind in (CSA, HCA):
+            if kind in self.layer_types and self.compress_rates.get(kind, 0) <= 0:
+                raise ConfigError(f"compress_rates[{kind!r}] must be a positive integer")
+
+    def compress_rate(self, layer_type: str) -> int:
+        return self.compress_rates[layer_type]
+
+    @property
+    def num_hash_layers(self) -> int:
+        return sum(t == HASH_MOE for t in self.mlp_layer_types)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model config not found: {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        d = dict(data)
+        model_type = d.get("model_type")
+        archs = d.get("architectures") or []
+        if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported architecture: model_type {model_type!r} (deepserve serves {list(SUPPORTED_MODEL_TYPES)})"
+            )
+        if model_type is None and archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ConfigError(
+                f"unsupported architecture: {archs} (deepserve serves {list(SUPPORTED_ARCHITECTURES)})"
+            )
+        for official, hf in _OFFICIAL_TO_HF.items():
+            if official in d and hf not in d:
+                d[hf] = d[official]
+
+        def need(name: str) -> Any:
+            if name not in d or d[name] is None:
+                raise ConfigError(f"config.json is missing the required field {name!r}")
+            return d[name]
+
+        n_layers = int(need("num_hidden_layers"))
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = int(d.get("head_dim") or hidden // heads)
+
+        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
+        if d.get("compress_rate_csa") is not None:
+            rates[CSA] = int(d["compress_rate_csa"])
+        if d.get("compress_rate_hca") is not None:
+            rates[HCA] = int(d["compress_rate_hca"])
+
+        layer_types = d.get("layer_types")
+        if layer_types is None and d.get("compress_ratios") is not None:
+            ratio_to_type = dict(_RATIO_TO_TYPE)
+            ratio_to_type[rates[CSA]] = CSA
+            ratio_to_type[rates[HCA]] = HCA
+            try:
+                layer_types = [ratio_to_type[int(r)] for r in d["compress_ratios"]]
+            except KeyError as exc:
+                raise ConfigError(f"compress_ratios holds an unknown ratio {exc.args[0]}") from exc
+        if layer_types is None:
+            raise ConfigError("config.json has neither 'layer_types' nor 'compress_ratios'")
+        layer_types = list(layer_types[:n_layers])  # legacy compress_ratios carry an extra MTP entry
+
+        mlp_types = d.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = int(d.get("num_hash_layers", 3))
+            mlp_types = [HASH_MOE] * min(n_layers, n_hash) + [MOE] * max(0, n_layers - n_hash)
+        mlp_types = list(mlp_types[:n_layers])
+
+        if d.get("partial_rotary_factor") is not None:
+            rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
+        else:
+            rope_dim = int(d.get("qk_rope_head_dim") or 64)
+        main_rope, compress_rope = _rope_configs(d, rope_dim)
+
+        eos = d.get("eos_token_id", 1)
+        eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
+        experts = d.get("n_routed_experts", d.get("num_local_experts"))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            head_dim=head_dim,
+            q_lora_rank=int(need("q_lora_rank")),
+            qk_rope_head_dim=rope_dim,
+            o_groups=int(d.get("o_groups", 8)),
+            o_lora_rank=int(d.get("o_lora_rank", 1024)),
+            sliding_window=int(d.get("sliding_window", 128)),
+            layer_types=layer_types,
+            mlp_layer_types=mlp_types,
+            compress_rates=rates,
+            main_rope=main_rope,
+            compress_rope=compress_rope,
+            max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
+            index_n_heads=int(d.get("index_n_heads", 64)),
+            index_head_dim=int(d.get("index_head_dim", 128)),
+            index_topk=int(d.get("index_topk", 512)),
+            hc_mult=int(d.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(d.get("hc_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            n_routed_experts=int(experts if experts is not None else need("n_routed_experts")),
+            n_shared_experts=int(d.get("n_shared_experts", 1)),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or need("intermediate_size")),
+            scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(d.get("swiglu_limit", 10.0)),
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 1)),
+            bos_token_id=d.get("bos_token_id", 0),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            quantization_config=d.get("quantization_config"),
+            raw=data,
+        )
+
+
+def _rope_configs(d: dict[str, Any], rope_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """Resolve the `main` (window-only layers) and `compress` (CSA/HCA layers) RoPE flavours."""
+    params = d.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main_p, comp_p = params["main"], params["compress"]
+    else:
+        scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k not in ("main", "compress")}
+        main_p = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+        comp_p = dict(scaling or {})
+        comp_p["rope_theta"] = d.get("compress_rope_theta", 160000.0)
+        if "_rope_factor" in d:  # official ModelArgs spelling
+            comp_p.update(rope_type="yarn", factor=d["_rope_factor"],
+                          original_max_position_embeddings=d.get("_original_seq_len", 65536),
+                          beta_fast=d.get("_beta_fast", 32), beta_slow=d.get("_beta_slow", 1))
+        comp_p.setdefault("rope_type", comp_p.get("type", "default"))
+
+    def build(p: dict[str, Any], default_theta: float) -> RopeConfig:
+        kind = p.get("rope_type", p.get("type", "default"))
+        theta = float(p.get("rope_theta", default_theta))
+        if kind == "default":
+            return RopeConfig(theta=theta, rotary_dim=rope_dim)
+        if kind != "yarn":
+            raise ConfigError(f"rope_type {kind!r} is not supported (DeepSeek-V4 uses 'default' and 'yarn')")
+        return RopeConfig(
+            theta=theta,
+            rotary_dim=rope_dim,
+            yarn_factor=float(p["factor"]),
+            yarn_original_max_position=int(p.get("original_max_position_embeddings", 65536)),
+            beta_fast=float(p.get("beta_fast") or 32),
+            beta_slow=float(p.get("beta_slow") or 1),
+        )
+
+    return build(main_p, 10000.0), build(comp_p, 160000.0)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Options of one engine instance, as given to `LLM(...)` or `deepserve serve`.
+
+    `accelerator` is `auto` (the plugins decide), `cpu`, `nvidia`, `ascend` or a third-party backend's name;
+    `device` optionally pins a torch device (`cuda:1`). Hooks receive this object at start-up.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    accelerator: str = "auto"
+    device: str | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.accelerator, str) or not self.accelerator:
+            raise ValueError(f"accelerator must be a non-empty string, got {self.accelerator!r}")
+        self.accelerator = self.accelerator.lower()
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")

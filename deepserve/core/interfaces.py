@@ -1,0 +1,111 @@
+"""The seams between the engine and the code that touches tensors.
+
+`Backend` is the set of numerical ops the DeepSeek-V4 model needs. The model in `deepserve.model` is written
+once against this interface; `deepserve.backends.reference` implements it in plain PyTorch (CPU or CUDA, the
+numerical oracle), and accelerator backends override the ops they have kernels for. A backend is chosen at
+start-up by the `deepserve_select_backend` hook; nothing looks it up per step.
+
+This module imports nothing from torch at run time (tensors appear only in annotations), so `deepserve.core`
+stays torch-free.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from torch import Tensor
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested accelerator backend cannot run here; the message says what is missing."""
+
+
+class Backend(ABC):
+    """Numerical ops of the V4 forward pass for one accelerator.
+
+    Shapes use T = tokens in the flattened batch (no padding anywhere), H = query heads, d = head dim,
+    N = rows in a key/value pool, n = mHC streams, D = hidden size, E = experts.
+    Every op is pure: it returns new tensors and never keeps references to its inputs.
+    """
+
+    #: short name, as accepted by `DEEPSERVE_ACCELERATOR` (`cpu`, `nvidia`, `ascend`, or a plugin's own)
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The torch device string the model's weights and state live on (e.g. `cpu`, `cuda:0`)."""
+
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        """RMSNorm over the last dim, computed in fp32, returned in `x.dtype`. `weight=None` is unweighted."""
+
+    @abstractmethod
+    def apply_rope(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        """Interleaved (GPT-J) RoPE on the last `2 * len(inv_freq)` dims of `x` [T, ..., d].
+
+        `positions` [T] are absolute positions; `inverse=True` rotates by `-position` (used on the attention
+        output, since V = K carries rotated dims). The leading dims pass through unchanged.
+        """
+
+    @abstractmethod
+    def hc_pre(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """mHC input side: from the residual streams [T, n, D] compute `pre`, `post` and the Sinkhorn-projected
+        `comb`, and collapse the streams with `pre`. Returns (collapsed [T, D], post [T, n], comb [T, n, n])."""
+
+    @abstractmethod
+    def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """mHC output side: `X'_k = post_k * y + sum_j comb[j, k] * X_j`. Returns the new streams [T, n, D]."""
+
+    @abstractmethod
+    def hc_head(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+        """Final stream collapse (sigmoid weights, no Sinkhorn). Returns [T, D]."""
+
+    @abstractmethod
+    def sparse_attention(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float) -> Tensor:
+        """MQA over an index list: query t, head h attends to rows `kv[indices[t, :]]` (K = V), entries < 0
+        are ignored, and a per-head sink logit `sinks[h]` (zero value) joins the softmax denominator.
+
+        q [T, H, d], kv [N, d], indices [T, K] int64, sinks [H] fp32. Returns [T, H, d] in `q.dtype`.
+        """
+
+    @abstractmethod
+    def indexer_topk(
+        self, q: Tensor, weights: Tensor, keys: Tensor, key_start: Tensor, key_count: Tensor, topk: int
+    ) -> Tensor:
+        """Lightning-indexer selection. Query t sees keys `keys[key_start[t] : key_start[t] + key_count[t]]`;
+        its score for key w is `sum_h weights[t, h] * relu(q[t, h] . keys[w])`. Returns [T, topk] int64
+        absolute row numbers into `keys`, best first; ties go to the lowest row; unused slots are -1.
+
+        q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
+        """
+
+    @abstractmethod
+    def moe_experts(
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, limit: float
+    ) -> Tensor:
+        """Routed experts: `sum_k topk_weights[t, k] * W2_e(silu(min(g, limit)) * clamp(u, -limit, limit))` with
+        `[g; u] = W13_e x` for e = topk_ids[t, k]. x [T, D], w13 [E, 2I, D], w2 [E, D, I]. Returns [T, D]."""
+
+    @abstractmethod
+    def sample(
+        self,
+        logits: Tensor,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        min_p: Tensor,
+        seeds: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
+        """Sample one token per row of `logits` [B, V] (fp32).
+
+        Per-row tensors [B]: temperature (0 = greedy argmax, lowest id on ties), top_k (0 or >= V = off),
+        top_p (1 = off), min_p (0 = off), seeds (int64) and positions (int64: index of the token being
+        sampled). The randomness of a row is a function of (seed, position) only, so a seeded request draws
+        the same tokens whatever else is in the batch. Returns [B] int64.
+        """
