@@ -1,0 +1,100 @@
+"""V4 attention (spec 3.3-3.5): MQA with one shared K=V head over the sliding window plus compressed rows.
+
+For each query the keys are an index list into one pool per layer: the pool holds, per sequence, the window
+rows it needs (old ones from the ring, new ones from this batch) followed by its compressed rows. The backend's
+`sparse_attention` then does the softmax with the per-head sink. Window-only, CSA and HCA layers differ only
+in the compressor that supplies (or not) the compressed part of the index list.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepserve.core.config import SLIDING, ModelConfig
+from deepserve.core.interfaces import Backend
+
+from .batch import ForwardBatch
+from .common import NormWeight, linear
+from .compressor import Compressor
+from .state import AttentionState, WindowRing
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> torch.Tensor:
+    rope = cfg.main_rope if layer_type == SLIDING else cfg.compress_rope
+    return torch.tensor(rope.inv_freq(), dtype=torch.float32)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str):
+        super().__init__()
+        self.backend, self.cfg, self.layer_type = backend, cfg, layer_type
+        H, d = cfg.num_attention_heads, cfg.head_dim
+        self.num_heads, self.head_dim, self.window = H, d, cfg.sliding_window
+        self.scale = d**-0.5
+        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_norm = NormWeight(cfg.q_lora_rank)
+        self.q_b_proj = linear(cfg.q_lora_rank, H * d)
+        self.kv_proj = linear(cfg.hidden_size, d)
+        self.kv_norm = NormWeight(d)
+        self.o_a_proj = linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.o_b_proj = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        inv_freq = rope_inv_freq(cfg, layer_type)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.compressor = None if layer_type == SLIDING else Compressor(cfg, backend, layer_type, inv_freq.clone())
+
+    def make_state(self, dtype: torch.dtype, device) -> AttentionState:
+        c = self.compressor
+        return AttentionState(
+            window=WindowRing(self.window, self.head_dim, dtype, device),
+            compressor=c.make_state(dtype, device) if c is not None else None,
+            indexer=c.indexer.make_state(dtype, device) if c is not None and c.indexer is not None else None,
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]) -> torch.Tensor:
+        b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
+        qr = b.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
+        q = b.rms_norm(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), None, eps)
+        q = b.apply_rope(q, batch.positions, self.inv_freq)
+        kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq)
+
+        compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
+        pool, indices = self._key_pool(kv, batch, states, compressed)
+        out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+        for chunk, st in zip(batch.chunks, states):
+            st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
+
+        out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True)
+        return self.o_b_proj(self._grouped_o_a(out))
+
+    def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads in G groups; group g goes through its own slice of `o_a_proj`."""
+        G = self.cfg.o_groups
+        grouped = out.reshape(out.shape[0], G, -1).transpose(0, 1)  # [G, T, H*d/G]
+        w = self.o_a_proj.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*d/G]
+        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)
+
+    def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
+        """Concatenate each sequence's window rows and compressed rows; index them per query."""
+        W, device = self.window, kv.device
+        pieces, index_parts, base = [], [], 0
+        width_c = compressed.shape[1] if compressed is not None else 0
+        for chunk, st in zip(batch.chunks, states):
+            first = max(0, chunk.start - W + 1)
+            new = kv[chunk.offset : chunk.offset + chunk.length]
+            window_rows = torch.cat((st.window.read(first, chunk.start), new)) if first < chunk.start else new
+            pieces.append(window_rows)
+            t = torch.arange(chunk.start, chunk.end, device=device)
+            key_pos = t[:, None] - W + 1 + torch.arange(W, device=device)[None, :]  # window of each query
+            win_idx = torch.where(key_pos >= 0, base + key_pos - first, torch.full_like(key_pos, -1))
+            base += window_rows.shape[0]
+            if compressed is not None:
+                rows = st.compressor.rows
+                pieces.append(rows.view())
+                local = compressed[chunk.offset : chunk.offset + chunk.length]
+                win_idx = torch.cat((win_idx, torch.where(local >= 0, base + local, local)), dim=1)
+                base += rows.num_rows
+            index_parts.append(win_idx)
+        indices = torch.cat(index_parts) if index_parts else kv.new_zeros((0, W + width_c), dtype=torch.long)
+        return torch.cat(pieces), indices

@@ -1,0 +1,106 @@
+"""The DeepSeek-V4 causal LM: a batched, variable-length forward over caller-owned per-sequence state.
+
+Module and parameter names equal Hugging Face's in-memory names (`model.layers.3.self_attn.q_a_proj.weight`,
+`lm_head.weight`), plus `mtp.{k}.*` for the multi-token-prediction blocks, so a canonical state dict from
+`deepserve.model.loader` loads by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepserve.core.config import ModelConfig
+from deepserve.core.interfaces import Backend
+
+from .batch import ForwardBatch, check_states
+from .common import NormWeight, linear
+from .decoder import DecoderLayer
+from .mhc import HyperHead
+from .mtp import MTPBlock
+from .state import SequenceState
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """`streams`: last layer's mHC state [T, n, D] (the MTP input); `logits` [L, V] fp32 for the requested rows."""
+
+    streams: torch.Tensor
+    logits: torch.Tensor
+
+
+class DeepseekV4Body(nn.Module):
+    """Embedding, decoder layers, final mHC head and norm (HF's `DeepseekV4Model`, `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend):
+        super().__init__()
+        self.cfg, self.backend = cfg, backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, lt, mt) for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types)
+        )
+        self.norm = NormWeight(cfg.hidden_size)
+        self.hc_head = HyperHead(cfg, backend)
+
+    def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> torch.Tensor:
+        e = self.embed_tokens(batch.token_ids)
+        streams = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, batch, [s.layers[i] for s in states], batch.token_ids)
+        return streams
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(self.hc_head(streams), self.norm.weight, self.cfg.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
+        super().__init__()
+        self.cfg, self.backend = cfg, backend
+        self.model = DeepseekV4Body(cfg, backend)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
+
+    def make_state(self, dtype: torch.dtype | None = None, device=None) -> SequenceState:
+        """Fresh state for one sequence, on the model's device and in its activation dtype by default."""
+        dtype = dtype or self.lm_head.weight.dtype
+        device = device or self.lm_head.weight.device
+        return SequenceState(
+            layers=[layer.make_state(dtype, device) for layer in self.model.layers],
+            mtp_layers=[block.make_state(dtype, device) for block in self.mtp],
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head in fp32, as the official reference computes it."""
+        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+
+    def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
+        """Run the new tokens of every sequence, update their states in place, return logits for
+        `batch.logits_indices`."""
+        check_states(batch, states)
+        streams = self.model(batch, states)
+        hidden = self.model.final_hidden(streams[batch.logits_indices])
+        for chunk, state in zip(batch.chunks, states):
+            state.num_tokens = chunk.end
+        return ForwardOutput(streams=streams, logits=self.logits(hidden))
+
+    def mtp_forward(
+        self, depth: int, batch: ForwardBatch, states: Sequence[SequenceState], prev_streams: torch.Tensor
+    ) -> ForwardOutput:
+        """Run MTP block `depth` (V3 alignment, see `MTPBlock`): row i of the batch carries the main model's
+        streams at position p_i (`prev_streams`) and the token at p_i + 1 (`batch.token_ids`), at position p_i;
+        its logits predict the token at p_i + 2."""
+        for i, (chunk, state) in enumerate(zip(batch.chunks, states)):
+            if chunk.start != state.mtp_num_tokens:
+                raise ValueError(f"sequence {i}: MTP chunk starts at {chunk.start}, MTP state holds {state.mtp_num_tokens}")
+        block = self.mtp[depth]
+        embeds = self.model.embed_tokens(batch.token_ids)
+        streams = block(embeds, prev_streams, batch, [s.mtp_layers[depth] for s in states])
+        hidden = block.final_hidden(streams[batch.logits_indices])
+        if depth == len(self.mtp) - 1:
+            for chunk, state in zip(batch.chunks, states):
+                state.mtp_num_tokens = chunk.end
+        return ForwardOutput(streams=streams, logits=self.logits(hidden))

@@ -1,0 +1,73 @@
+"""Mixture of experts (spec 3.8): sqrt-softplus router with a selection-only bias, or a frozen token-id hash
+table in the first layers; clamped SwiGLU experts; one shared expert added to every token."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.core.config import HASH_MOE, ModelConfig
+from deepserve.core.interfaces import Backend
+
+from .common import linear
+
+
+class Router(nn.Module):
+    """Picks `top_k` experts per token and their weights. Hash layers select by `tid2eid[token_id]`."""
+
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.top_k, self.scale, self.is_hash = cfg.num_experts_per_tok, cfg.routed_scaling_factor, is_hash
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
+        if self.is_hash:
+            ids = self.tid2eid[token_ids]
+        else:  # the bias steers selection only; the weights come from the unbiased scores
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+        return ids, weights
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.zeros(E, D, I))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = linear(D, I), linear(D, I), linear(I, D)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: Backend, mlp_type: str):
+        super().__init__()
+        self.backend, self.limit = backend, cfg.swiglu_limit
+        self.gate = Router(cfg, is_hash=mlp_type == HASH_MOE)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x, token_ids)
+        routed = self.backend.moe_experts(
+            x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, self.limit
+        )
+        return routed + self.shared_experts(x)

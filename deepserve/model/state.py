@@ -1,0 +1,113 @@
+"""Per-sequence inference state of the V4 model, owned by the caller (spec section 4).
+
+The model never keeps state between calls: every forward receives, for each sequence in the batch, a
+`SequenceState` holding one state object per layer. Layers create their own state (`make_state`), so a new
+layer kind (V4.1's CSA2 consumers, Engram) brings a new state owner without touching the others.
+
+What a layer keeps, after a sequence's first t tokens:
+- every layer: a ring of the last `window` raw KV rows (slot = position mod window);
+- compressed layers: append-only compressed rows (CSA: one per 4 tokens plus the indexer's keys; HCA: one per
+  128), and the *frontier*: projected kv and gate of the tokens in the open block, plus for CSA the previous
+  block's "Ca" half, which the next entry pools with its own "Cb" half (the overlap).
+Row stores grow by doubling here; the paged KV manager of the engine replaces them with page-table views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RowStore:
+    """Append-only rows of one stream of one sequence (compressed KV or indexer keys)."""
+
+    __slots__ = ("_buf", "num_rows")
+
+    def __init__(self, width: int, dtype: torch.dtype, device: str | torch.device, capacity: int = 16) -> None:
+        self._buf = torch.empty((max(capacity, 1), width), dtype=dtype, device=device)
+        self.num_rows = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.num_rows + rows.shape[0]
+        if need > self._buf.shape[0]:
+            grown = torch.empty((max(need, 2 * self._buf.shape[0]), self._buf.shape[1]),
+                                dtype=self._buf.dtype, device=self._buf.device)
+            grown[: self.num_rows] = self._buf[: self.num_rows]
+            self._buf = grown
+        self._buf[self.num_rows : need] = rows.to(self._buf.dtype)
+        self.num_rows = need
+
+    def view(self) -> torch.Tensor:
+        return self._buf[: self.num_rows]
+
+    def truncate(self, num_rows: int) -> None:
+        """Drop rows past `num_rows` (rollback of rejected speculative tokens)."""
+        if not 0 <= num_rows <= self.num_rows:
+            raise ValueError(f"cannot truncate {self.num_rows} rows to {num_rows}")
+        self.num_rows = num_rows
+
+
+class WindowRing:
+    """The last `window` raw KV rows of one layer; position p lives in slot p mod window."""
+
+    __slots__ = ("ring",)
+
+    def __init__(self, window: int, width: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        self.ring = torch.zeros((window, width), dtype=dtype, device=device)
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Rows of positions [start, end); the caller guarantees they are still in the ring."""
+        slots = torch.arange(start, end, device=self.ring.device) % self.ring.shape[0]
+        return self.ring[slots]
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Store rows of positions start, start+1, ...; only the last `window` of them can survive."""
+        window = self.ring.shape[0]
+        if rows.shape[0] > window:
+            start += rows.shape[0] - window
+            rows = rows[-window:]
+        slots = torch.arange(start, start + rows.shape[0], device=self.ring.device) % window
+        self.ring[slots] = rows.to(self.ring.dtype)
+
+
+class CompressorState:
+    """Rows emitted so far plus the frontier of one compressor (main KV or indexer keys).
+
+    `open_kv` / `open_gate` hold the projections of the open block's tokens (how many: position mod ratio),
+    the gate already including the position bias. With overlap (CSA), `prev_kv` / `prev_gate` hold the Ca
+    half of the last closed block. Frontier tensors are fp32, as in the official reference.
+    """
+
+    __slots__ = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate")
+
+    def __init__(self, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, device: str | torch.device) -> None:
+        width = 2 * dim if overlap else dim
+        self.rows = RowStore(dim, dtype, device)
+        self.open_kv = torch.zeros((ratio, width), dtype=torch.float32, device=device)
+        self.open_gate = torch.zeros((ratio, width), dtype=torch.float32, device=device)
+        self.prev_kv = torch.zeros((ratio, dim), dtype=torch.float32, device=device) if overlap else None
+        self.prev_gate = torch.zeros((ratio, dim), dtype=torch.float32, device=device) if overlap else None
+
+
+@dataclass(slots=True)
+class AttentionState:
+    """Everything one attention layer keeps for one sequence."""
+
+    window: WindowRing
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One sequence's state across the whole model.
+
+    `num_tokens` counts the tokens whose effects are in the main layers' state (the next token's position).
+    The MTP blocks lag one token behind (they need the next token's embedding), so they keep their own count.
+    """
+
+    layers: list[AttentionState]
+    mtp_layers: list[AttentionState] = field(default_factory=list)
+    num_tokens: int = 0
+    mtp_num_tokens: int = 0
