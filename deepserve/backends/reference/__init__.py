@@ -1,5 +1,16 @@
-"""The reference backend: every op in plain PyTorch, on any device torch supports."""
+"""The reference backend: every op in plain PyTorch, on any device torch supports.
 
-from .ops import ReferenceBackend
+`ReferenceBackend` loads on first use, so registering this package's plugin does not import torch.
+"""
+
+from typing import Any
 
 __all__ = ["ReferenceBackend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ReferenceBackend":
+        from .ops import ReferenceBackend
+
+        return ReferenceBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,63 @@
+"""The one place deepserve reads its environment variables.
+
+Every variable is named `DEEPSERVE_*`. Some also accept the name DeepSeek's DeepInfer uses, so a DeepInfer
+deployment's environment keeps working; when both are set, the `DEEPSERVE_*` name wins. A variable that is
+set, even to an empty string, counts as set (an empty `DEEPSERVE_PLUGINS` means "no third-party plugins").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One environment variable deepserve reads: its name, an optional DeepInfer alias, and what it does."""
+
+    name: str
+    alias: str | None
+    help: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar(
+            "DEEPSERVE_ACCELERATOR",
+            "DEEPINFER_ACCELERATOR",
+            "Force an accelerator backend (`cpu`, `nvidia`, `ascend` or a plugin's name) when the engine "
+            "config says `auto`. An explicit accelerator in the config wins over this variable.",
+        ),
+        EnvVar(
+            "DEEPSERVE_MODEL",
+            "DEEPINFER_HF_MODEL_DIR",
+            "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",
+        ),
+        EnvVar(
+            "DEEPSERVE_PLUGINS",
+            None,
+            "Allowlist of third-party plugins: comma-separated distribution or entry-point names. Unset loads "
+            "every installed plugin, an empty string loads none. Built-in plugins always load.",
+        ),
+    )
+}
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of the deepserve variable `name` (a key of `ENV_VARS`), falling back to its DeepInfer alias.
+
+    Returns None when neither is set. `environ` defaults to `os.environ`. An unknown `name` raises KeyError,
+    so a misspelt variable fails loudly instead of reading as unset.
+    """
+    try:
+        var = ENV_VARS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a deepserve environment variable; known: {sorted(ENV_VARS)}") from None
+    environ = os.environ if environ is None else environ
+    if var.name in environ:
+        return environ[var.name]
+    if var.alias is not None and var.alias in environ:
+        return environ[var.alias]
+    return None

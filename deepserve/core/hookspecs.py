@@ -1,0 +1,109 @@
+"""Every hook a deepserve plugin can implement, in one place.
+
+A plugin is a module (or any object) with functions decorated by `hookimpl` whose names match a spec below.
+Built-in parts are plugins too (`deepserve.core.plugins.DEFAULT_PLUGINS`); third-party packages register
+through the `deepserve` entry-point group. Hooks are called when the engine starts (or once per finished
+request, off the step loop), never per step: the engine resolves them into plain objects at start-up.
+
+Two styles:
+- "one winner" (`firstresult`): the first implementation that returns something other than None wins, the
+  rest are not called. Implementations are called newest-registered first; `tryfirst`/`trylast` move them.
+- "contribute named things": the hook receives a `register(name, factory)` callback and calls it once per
+  thing it adds. Factories are called later, when the thing is chosen, so heavy imports belong inside them.
+
+Docstring template (as in pytest): when the hook is called, each parameter, what to return.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+from deepserve.core.config import EngineConfig
+from deepserve.core.interfaces import Backend
+
+PROJECT = "deepserve"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: the callback a `deepserve_register_*` hook receives: `register(name, factory)`
+Register = Callable[[str, Callable[..., Any]], None]
+
+
+@hookspec(firstresult=True)
+def deepserve_select_backend(config: EngineConfig) -> Backend | None:
+    """Choose the accelerator backend that runs the model's ops; first non-None wins.
+
+    Called once when the engine starts, through `deepserve.core.plugins.select_backend`.
+
+    :param config: the engine's options. `config.accelerator` is already resolved from the environment
+        (`DEEPSERVE_ACCELERATOR`): `auto`, `cpu`, `nvidia`, `ascend` or a third-party backend's name.
+        `config.device` optionally pins a torch device.
+    :return: a `deepserve.core.interfaces.Backend` instance if this plugin serves `config.accelerator`, else
+        None to pass. When the accelerator is asked for by name but cannot run here, raise
+        `deepserve.core.interfaces.BackendUnavailable` saying what is missing instead of returning None.
+        On `auto`, answer only if your hardware is present; the reference backend answers last.
+    """
+
+
+@hookspec
+def deepserve_register_cache_backends(register: Register) -> None:
+    """Contribute prefix-KV stores (e.g. 3FS) and sliding-window-state stores (e.g. host memory).
+
+    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
+
+    :param register: call `register(name, factory)` once per store; `name` is what users select it by and
+        must be unique across all plugins, `factory` is a callable that builds the store when chosen.
+    :return: nothing.
+    """
+
+
+@hookspec
+def deepserve_register_grammar_backends(register: Register) -> None:
+    """Contribute structured-output compilers (JSON schema, regex, grammar -> token masks).
+
+    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
+
+    :param register: call `register(name, factory)` once per compiler; `name` is unique across all plugins,
+        `factory` builds the compiler when a request first asks for it.
+    :return: nothing.
+    """
+
+
+@hookspec
+def deepserve_register_proposers(register: Register) -> None:
+    """Contribute speculative-decoding drafters (e.g. DSpark, MTP) and their verify planners.
+
+    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
+
+    :param register: call `register(name, factory)` once per proposer; `name` is unique across all plugins,
+        `factory` builds the proposer when the engine is configured to use it.
+    :return: nothing.
+    """
+
+
+@hookspec
+def deepserve_register_routes(register: Register) -> None:
+    """Contribute extra HTTP routes to the server.
+
+    Called once when the server's app is built, through `deepserve.core.plugins.collect_registrations`.
+
+    :param register: call `register(name, factory)` once per route; `name` is unique across all plugins,
+        `factory` is called with the app being built and adds the route to it.
+    :return: nothing.
+    """
+
+
+@hookspec
+def deepserve_request_finished(request: Any, stats: Any) -> None:
+    """Observe a request that has finished (completed, stopped, aborted or failed): accounting, logging.
+
+    Called once per finished request, on the asyncio side after its last output, never inside the step loop.
+    Every implementation is called.
+
+    :param request: the finished request (its id, sampling parameters and token counts); read it, do not
+        change it.
+    :param stats: the request's final numbers (prompt, cached and output tokens, timings), read-only.
+    :return: nothing. Return quickly: hand slow work (network, disk) to a task or a thread.
+    """
