@@ -1,0 +1,186 @@
+"""Read a DeepSeek-V4 checkpoint directory into canonical, dequantized tensors and copy them into a module.
+
+`read_checkpoint` accepts a single `model.safetensors`, a sharded checkpoint with `model.safetensors.index.json`,
+or any set of `*.safetensors` files, in any of the three tensor spellings (see `weight_names`). FP8/FP4 weights
+are dequantized (see `quant`), per-expert tensors are stacked, and the result is keyed by the canonical names,
+which are the `state_dict()` names of HF's `DeepseekV4ForCausalLM` (and of deepserve's own model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from deepserve.core.config import ConfigError, ModelConfig
+from deepserve.model.quant import dequantize
+from deepserve.model.weight_names import SCALE_SUFFIX, ExpertStacker, canonical_name, expert_piece, keeps_fp32
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
+class CheckpointError(Exception):
+    """A checkpoint deepserve cannot load; the message names the file or tensor at fault."""
+
+
+class CheckpointConfigError(CheckpointError, ConfigError):
+    """The checkpoint's `config.json` was rejected by `ModelConfig`; caught by either base class."""
+
+
+def _model_dir(model_dir: str | os.PathLike) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist or is not a directory")
+    return path
+
+
+def find_weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: `model.safetensors`, else the shards named by the index, else
+    every `*.safetensors` file (sorted). Raises `CheckpointError` naming the path when none, or a shard, is missing."""
+    path = _model_dir(model_dir)
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
+        shards = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(shard) for shard in shards if not shard.is_file()]
+        if missing:
+            raise CheckpointError(f"shard(s) named in {index} are missing: {', '.join(missing)}")
+        return shards
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors weights in {path} (expected {SINGLE_FILE}, {INDEX_FILE} or *.safetensors)")
+    return files
+
+
+def read_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """Parse `config.json` of a checkpoint, re-raising config problems with the path attached."""
+    path = _model_dir(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model config {path} does not exist")
+    try:
+        return ModelConfig.from_file(path)
+    except ConfigError as exc:
+        raise CheckpointConfigError(f"{path}: {exc}") from exc
+
+
+def _open_all(files: list[Path], stack: ExitStack) -> dict[str, tuple[Any, str]]:
+    """Open every file and map canonical name -> (open file, key in that file)."""
+    sources: dict[str, tuple[Any, str]] = {}
+    origin: dict[str, str] = {}
+    for file in files:
+        try:
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            keys = list(handle.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
+        for key in keys:
+            name = canonical_name(key)
+            if name in sources:
+                raise CheckpointError(f"tensors {origin[name]!r} and {file.name}:{key!r} both map to {name!r}")
+            sources[name] = (handle, key)
+            origin[name] = f"{file.name}:{key}"
+    return sources
+
+
+def _get(sources: dict[str, tuple[Any, str]], name: str) -> torch.Tensor:
+    handle, key = sources[name]
+    try:
+        return handle.get_tensor(key)
+    except SafetensorError as exc:
+        raise CheckpointError(f"cannot read tensor {key!r}: {exc}") from exc
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if name.endswith("tid2eid"):
+        return tensor.to(torch.int64)
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.float32 if keeps_fp32(name) else dtype)
+
+
+def read_checkpoint(
+    model_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Read every tensor of a checkpoint, keyed by canonical name, dequantized and cast to `dtype` on `device`.
+
+    Norms, mHC parameters, sinks, position biases and the router's correction bias stay fp32 (as in HF);
+    `tid2eid` is int64. FP8/FP4 weights are paired with their `.scale` / `weight_scale_inv` companions.
+    Raises `CheckpointError` (or `CheckpointConfigError`) naming the path or tensor at fault.
+    """
+    config = read_config(model_dir)
+    files = find_weight_files(model_dir)
+    stacker = ExpertStacker(config.n_routed_experts)
+    state: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        sources = _open_all(files, stack)
+        orphans = [n for n in sources if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" not in sources]
+        if orphans:
+            raise CheckpointError(f"{model_dir}: scale tensor {orphans[0]!r} has no matching weight")
+        names = [n for n in sources if not n.endswith(SCALE_SUFFIX)]
+        for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
+            tensor = _get(sources, name).to(device)
+            scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
+            if name.endswith(".weight") and scale_name in sources:
+                try:
+                    tensor = dequantize(tensor, _get(sources, scale_name).to(device))
+                except ValueError as exc:
+                    raise CheckpointError(f"{model_dir}: tensor {name!r}: {exc}") from exc
+            elif tensor.dtype in _QUANTIZED_DTYPES:
+                raise CheckpointError(f"{model_dir}: quantized tensor {name!r} ({tensor.dtype}) has no scale tensor")
+            tensor = _cast(name, tensor, dtype)
+            piece = expert_piece(name)
+            if piece is None:
+                state[name] = tensor
+            else:
+                state.update(stacker.add(*piece, tensor))
+    try:
+        state.update(stacker.finish())
+    except KeyError as exc:
+        raise CheckpointError(f"{model_dir}: {exc.args[0]}") from exc
+    return state
+
+
+def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, strict_unexpected: bool = False) -> None:
+    """Copy `state` into `module`'s parameters and persistent buffers, matched by name.
+
+    Every entry of `module.state_dict()` must be present with the same shape; all are checked before anything
+    is copied, so a failed load leaves the module untouched. Extra tensors (e.g. `mtp.*` for a model without
+    MTP) are logged, or raise when `strict_unexpected`. Values are cast to each target's dtype.
+    """
+    targets = module.state_dict(keep_vars=True)
+    missing = [name for name in targets if name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+    for name, target in targets.items():
+        if state[name].shape != target.shape:
+            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint has {tuple(state[name].shape)}, "
+                                  f"model expects {tuple(target.shape)}")
+    unexpected = sorted(set(state) - set(targets))
+    if unexpected:
+        listed = ", ".join(unexpected[:8]) + (", ..." if len(unexpected) > 8 else "")
+        if strict_unexpected:
+            raise CheckpointError(f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {listed}")
+        logger.warning("ignoring %d checkpoint tensor(s) the model does not use: %s", len(unexpected), listed)
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(state[name])
