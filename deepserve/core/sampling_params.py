@@ -1,0 +1,147 @@
+"""`SamplingParams`: how one request picks its tokens and when it stops, in vLLM's shape.
+
+Field names, defaults and the meaning of "off" values follow vLLM's `SamplingParams`, so user code written for
+vLLM's offline API runs unchanged for the fields listed here. Validation happens once, at construction; every
+error is a `ValueError` that names the field and the offending value. Plain Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+#: temperatures below this are treated as 0 (greedy), as vLLM does; dividing logits by them would overflow
+GREEDY_TEMPERATURE_EPS = 1e-5
+_INT64_MIN, _UINT64_END = -(2**63), 2**64
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _int_field(name: str, value: Any, minimum: int | None = None) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _float_field(name: str, value: Any) -> float:
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # numpy scalars and 0-d tensors convert; strings and None do not
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got nan")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping options of one request (vLLM semantics).
+
+    `temperature=0` is greedy (lowest token id on ties); `top_k` 0 or -1, `top_p=1` and `min_p=0` are off.
+    `max_tokens=None` generates until the context is full. `logprobs=k` returns, for every generated token, the
+    sampled token's logprob plus the k most likely tokens' (the same for `prompt_logprobs` over the prompt).
+    `stop` strings end generation and are cut from the text unless `include_stop_str_in_output`;
+    `stop_token_ids` end it like EOS does. `seed` makes a request's draws reproducible whatever else is batched.
+    After construction `stop` is always a list of strings and `stop_token_ids` a list of ints (maybe empty).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _int_field("n", self.n, minimum=1)
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported: deepserve returns one completion per request (use n=1)")
+        self.temperature = _float_field("temperature", self.temperature)
+        if self.temperature < 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
+        self.top_p = _float_field("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int_field("top_k", self.top_k, minimum=-1)
+        if self.top_k == -1:  # vLLM's older spelling of "off"
+            self.top_k = 0
+        self.min_p = _float_field("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _int_field("seed", self.seed)
+            if not _INT64_MIN <= self.seed < _UINT64_END:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+        if self.max_tokens is not None:
+            self.max_tokens = _int_field("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _int_field("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            self.logprobs = _int_field("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for item in items:
+            if not isinstance(item, str):
+                raise ValueError(f"stop must contain only strings, got {item!r} in {stop!r}")
+            if not item:
+                raise ValueError(f"stop strings must be non-empty, got {stop!r}")
+        return list(items)
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        ids = list(ids)
+        for token_id in ids:
+            if not _is_int(token_id) or operator.index(token_id) < 0:
+                raise ValueError(f"stop_token_ids must contain only non-negative ints, got {token_id!r} in {ids!r}")
+        return [operator.index(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
