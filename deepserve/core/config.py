@@ -343,3 +343,58 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+def model_config_to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """`cfg` as a Hugging Face `config.json` dict (`DeepseekV4Config` fields) that transformers also loads."""
+
+    def rope(r: RopeConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_type": "default", "rope_theta": r.theta,
+                               "partial_rotary_factor": r.rotary_dim / cfg.head_dim}
+        if r.yarn_factor:
+            out.update(rope_type="yarn", factor=r.yarn_factor, attention_factor=1.0,
+                       original_max_position_embeddings=r.yarn_original_max_position,
+                       beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        return out
+
+    return {
+        "architectures": list(SUPPORTED_ARCHITECTURES),
+        "model_type": "deepseek_v4",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "partial_rotary_factor": cfg.qk_rope_head_dim / cfg.head_dim,
+        "o_groups": cfg.o_groups,
+        "o_lora_rank": cfg.o_lora_rank,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": list(cfg.layer_types),
+        "mlp_layer_types": list(cfg.mlp_layer_types),
+        "compress_rates": dict(cfg.compress_rates),
+        "rope_theta": cfg.main_rope.theta,
+        "compress_rope_theta": cfg.compress_rope.theta,
+        "rope_parameters": {"main": rope(cfg.main_rope), "compress": rope(cfg.compress_rope)},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "scoring_func": cfg.scoring_func,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "swiglu_limit": cfg.swiglu_limit,
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": cfg.torch_dtype or "float32",
+    }

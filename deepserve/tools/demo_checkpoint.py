@@ -1,0 +1,57 @@
+"""Build a small random DeepSeek-V4 checkpoint (every layer type, hash and routed MoE, MTP block, byte-level
+tokenizer) so the offline example runs on a fresh machine with nothing downloaded.
+
+The weights are random: the text it writes is noise. It exists to exercise the whole path (loader, model,
+sampling, detokenization) until the project's embedded trained model lands.
+
+    python -m deepserve.tools.demo_checkpoint OUT_DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from deepserve.backends.reference import ReferenceBackend
+from deepserve.core.config import ModelConfig
+
+DEMO_CONFIG = dict(
+    model_type="deepseek_v4", vocab_size=258, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+    head_dim=32, q_lora_rank=32, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=16, sliding_window=16,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    rope_parameters={"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=65536, index_n_heads=16, index_head_dim=16, index_topk=4, n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, num_hash_layers=3, num_nextn_predict_layers=1,
+    bos_token_id=0, eos_token_id=1,
+)
+
+
+def build_demo_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors and tokenizer.json of a random tiny V4 into `path`."""
+    from deepserve.model.factory import build_model, randomize
+    from deepserve.model.tokenizer import make_byte_tokenizer
+    from deepserve.model.writer import save_checkpoint
+
+    cfg = ModelConfig.from_dict(DEMO_CONFIG)
+    model = randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), seed)
+    path = save_checkpoint(model, path)
+    make_byte_tokenizer(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_demo_checkpoint(args.out_dir, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install deepserve with its test extra. Safe to run again: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build. Skip if a torch is already there.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
