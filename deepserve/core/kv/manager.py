@@ -1,0 +1,168 @@
+"""Per-request block tables over one `BlockPool`, with prefix reuse. Called by the scheduler only.
+
+A request's block table lists the pages holding its tokens: page `table[i]` holds tokens
+`[i * block_size, (i + 1) * block_size)`. In DeepSeek-V4 a page of P tokens holds, per layer, the compressed
+rows those tokens emit (`rows_per_page`): P/4 CSA rows and P/4 index keys, or P/128 HCA rows. The sliding
+window ring and the compression frontier are per-sequence state outside the pages.
+
+Life of a request, as the scheduler drives it:
+
+1. `get_computed_blocks(rid, prompt, salt)` once when the request is (re)scheduled from waiting: the request
+   takes a reference to the pages of its longest cached prefix and starts with that many computed tokens.
+2. `allocate_slots(rid, n)` before each step, with n = tokens that will hold KV after the step. None means the
+   pool is short; nothing changed, and the scheduler preempts someone or keeps the request waiting.
+3. `cache_full_blocks(rid, tokens, num_computed, salt)` after each step, so later requests can hit the blocks
+   this one filled.
+4. `free(rid)` exactly once when the request finishes, is aborted or is preempted, including after step 1 when
+   step 2 failed. After `free`, every page the request held is back in the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepserve.core.kv.block_pool import BlockPool
+from deepserve.core.kv.prefix_hash import BlockHash, extend_block_hashes, validate_block_size
+
+RequestId = str
+
+#: tokens per compressed row: CSA main rows and indexer keys, and HCA rows (spec section 4.4)
+CSA_RATIO = 4
+HCA_RATIO = 128
+
+
+def rows_per_page(block_size: int, ratio: int) -> int:
+    """How many rows of a stream emitting one row per `ratio` tokens a page of `block_size` tokens holds:
+    `block_size // ratio` (CSA rows and index keys at ratio 4, HCA rows at ratio 128)."""
+    validate_block_size(block_size)
+    if ratio <= 0 or block_size % ratio:
+        raise ValueError(f"a page of {block_size} tokens does not hold a whole number of rows at ratio {ratio}")
+    return block_size // ratio
+
+
+def pages_for_budget(kv_cache_bytes: int, bytes_per_page: int) -> int:
+    """How many pages of `bytes_per_page` bytes (all layers' rows for one page) fit in `kv_cache_bytes`."""
+    if bytes_per_page <= 0:
+        raise ValueError(f"bytes_per_page must be positive, got {bytes_per_page}")
+    num_pages = kv_cache_bytes // bytes_per_page
+    if num_pages <= 0:
+        raise ValueError(f"the KV cache budget of {kv_cache_bytes} bytes holds no page of {bytes_per_page} bytes; "
+                         "raise kv_cache_bytes or gpu_memory_utilization, or use a smaller block_size")
+    return num_pages
+
+
+class KVCacheManager:
+    """Block tables of the running requests, and the prefix cache shared between them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = validate_block_size(block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.block_tables: dict[RequestId, list[int]] = {}
+        # per request: hashes of its full blocks known so far, its salt, and how many of its pages are registered
+        self._hashes: dict[RequestId, list[BlockHash]] = {}
+        self._salts: dict[RequestId, str | None] = {}
+        self._num_registered: dict[RequestId, int] = {}
+        #: prefix-cache lookups, in tokens: tokens asked about, and tokens found cached
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(
+        self, request_id: RequestId, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> tuple[list[int], int]:
+        """Give a request with no pages the pages of its longest cached prefix of full blocks.
+
+        Returns (pages, num_cached_tokens); the request now holds a reference to each page. The hit is capped at
+        `len(token_ids) - 1` rounded down to a block boundary: the model must compute at least one token to
+        produce logits. With prefix caching off this returns ([], 0) and only creates an empty table.
+        """
+        if request_id in self.block_tables:
+            raise ValueError(f"request {request_id!r} already holds KV pages; free it before looking it up again")
+        self.block_tables[request_id] = []
+        self._num_registered[request_id] = 0
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = extend_block_hashes([], token_ids, self.block_size, cache_salt)
+        self._hashes[request_id] = hashes
+        self._salts[request_id] = cache_salt
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        hit: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            page = self.pool.get_cached(block_hash)
+            if page is None:
+                break
+            hit.append(page)
+        self.pool.touch(hit)
+        self.block_tables[request_id] = list(hit)
+        self._num_registered[request_id] = len(hit)
+        num_cached_tokens = len(hit) * self.block_size
+        self.num_prefix_queries += len(token_ids)
+        self.num_prefix_hits += num_cached_tokens
+        return hit, num_cached_tokens
+
+    def allocate_slots(self, request_id: RequestId, num_tokens_total: int) -> list[int] | None:
+        """Grow the request's table to cover `num_tokens_total` tokens; return the pages added (maybe none).
+
+        Returns None, changing nothing, when the pool has too few free pages. A request seen for the first time
+        gets a new table.
+        """
+        table = self.block_tables.get(request_id, [])
+        num_needed = -(-num_tokens_total // self.block_size) - len(table)
+        if num_needed <= 0:
+            return []
+        if not self.pool.can_allocate(num_needed):
+            return None
+        if request_id not in self.block_tables:
+            self.block_tables[request_id] = table
+            self._num_registered[request_id] = 0
+        new_pages = self.pool.allocate(num_needed)
+        table.extend(new_pages)
+        return new_pages
+
+    def cache_full_blocks(
+        self, request_id: RequestId, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
+    ) -> None:
+        """Register the request's blocks that are full and computed within its first `num_computed_tokens` tokens.
+
+        `token_ids` are the request's tokens so far (prompt then output), at least `num_computed_tokens` of them;
+        `cache_salt` must be the one given to `get_computed_blocks`. A partial last block is never registered.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[request_id]
+        if self._salts.setdefault(request_id, cache_salt) != cache_salt:
+            raise ValueError(f"request {request_id!r} changed its cache_salt; its blocks would be cached for "
+                             "the wrong tenant")
+        if num_computed_tokens > len(token_ids):
+            raise ValueError(f"{num_computed_tokens} computed tokens but only {len(token_ids)} token ids given")
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered[request_id]
+        if num_full <= start:
+            return
+        hashes = extend_block_hashes(self._hashes.setdefault(request_id, []),
+                                     token_ids[:num_full * self.block_size], self.block_size, cache_salt)
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_registered[request_id] = num_full
+
+    def free(self, request_id: RequestId) -> None:
+        """Return every page the request holds. Unknown ids are ignored, so an abort may come at any time.
+
+        Pages go back tail first: under LRU a prefix's last blocks are then evicted before its first ones, which
+        every longer hit depends on.
+        """
+        table = self.block_tables.get(request_id)
+        if table is not None:
+            self.pool.free(reversed(table))
+        self.block_tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._salts.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
