@@ -30,7 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
-class CheckpointError(Exception):
+class CheckpointError(ValueError):
     """A checkpoint deepserve cannot load; the message names the file or tensor at fault."""
 
 

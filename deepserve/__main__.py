@@ -1,0 +1,5 @@
+import sys
+
+from deepserve.cli import main
+
+sys.exit(main())
