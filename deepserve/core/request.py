@@ -1,0 +1,100 @@
+"""`Request`: one generation request as the scheduler tracks it. Plain Python, no torch.
+
+The one counter that matters is `num_computed_tokens`: how many of the request's tokens (prompt, then output)
+already have KV in the cache. It chases `num_tokens`; every step the scheduler gives a request some of the gap,
+a prefix-cache hit closes part of it for free, and preemption by recompute resets it to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from deepserve.core.outputs import FinishReason
+from deepserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @classmethod
+    def from_finish_reason(cls, reason: FinishReason) -> RequestStatus:
+        return {"stop": cls.FINISHED_STOPPED, "length": cls.FINISHED_LENGTH, "abort": cls.FINISHED_ABORTED}[reason]
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+
+class Request:
+    """A live request, owned by the scheduler. Other layers see it through value objects (`SchedulerOutput`).
+
+    `arrival_order` is set by the scheduler when the request is added (FIFO tie-breaks). `num_cached_tokens` is
+    the prompt prefix found in the prefix cache at first admission (0 until then). `stop_reason` is the stop
+    token id that ended the request, if one did.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "cache_salt", "arrival_order", "output_token_ids",
+        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason", "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; at least one token is needed")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.arrival_order = 0
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: where `num_computed_tokens` is heading."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.from_finish_reason(reason)
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

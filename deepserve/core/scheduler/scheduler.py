@@ -1,0 +1,254 @@
+"""`Scheduler`: continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+The contract is two calls per engine step:
+
+1. `schedule()` decides what every request computes this step and returns a `SchedulerOutput` (a value object:
+   the model runner never sees a live `Request`);
+2. `update_from_output(sched_out, sampled)` takes the token sampled for each chunk that ends at its request's
+   last known token, advances the requests, applies the stop rules, and returns the requests that finished.
+
+`add_request` and `abort` may be called at any time between or around those two calls. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from deepserve.core.kv.manager import KVCacheManager
+from deepserve.core.request import Request, RequestStatus
+from deepserve.core.scheduler.cost_model import Chunk, StepCostModel
+from deepserve.core.stop_checker import check_stop
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens `[start, start + len(token_ids))` of one request, to compute this step.
+
+    `samples` is True when the chunk ends at the request's last known token, so the runner samples a token.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    samples: bool
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or not self.token_ids:
+            raise ValueError(f"a chunk needs start >= 0 and at least one token, got start={self.start}, "
+                             f"{len(self.token_ids)} tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step's plan. `preempted_request_ids` lost their KV this step (they will recompute it);
+    `finished_request_ids` finished (stopped, hit a length limit or were aborted) since the previous step,
+    so the runner can drop any per-request state it keeps."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    num_scheduled_tokens: int
+    preempted_request_ids: tuple[str, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_scheduled_tokens != sum(len(c.token_ids) for c in self.chunks):
+            raise ValueError("num_scheduled_tokens must equal the total length of the chunks")
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What `schedule()` has decided so far this step."""
+
+    budget: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    cost_chunks: list[Chunk] = field(default_factory=list)  # (n, p) of each chunk, for the cost model
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """FIFO continuous batching over one `KVCacheManager`, prefill chunks sized by an optional `StepCostModel`.
+
+    Running requests are served first, oldest first; then waiting ones are admitted in arrival order while
+    fewer than `max_num_seqs` run and the step's `max_num_batched_tokens` budget lasts. When pages run out for
+    a running request, the newest running request is preempted: its pages are freed and it goes back to the
+    front of the waiting queue to recompute (prefix hits make that cheap).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        cost_model: StepCostModel | None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.kv = kv
+        self.cost_model = cost_model
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the first to be preempted
+        self._finished_ids: list[str] = []  # finished since the last schedule()
+        self._num_arrivals = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Its prompt must leave room for at least one output token in `max_model_len`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} has already been scheduled")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room for output")
+        request.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish these requests with reason "abort" and free their pages; unknown or finished ids are ignored.
+
+        Safe at any time, also between `schedule()` and `update_from_output()`: the chunks of an aborted request
+        in that step's output are then skipped. Returns the requests aborted.
+        """
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish("abort")
+            self._retire(request)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        # Token catch-up: every request computes `num_tokens - num_computed_tokens` tokens this step, capped by
+        # the chunk size and the step's token budget; a prefix hit just advances num_computed_tokens when the
+        # request is admitted, and a decode is simply the case where the gap is 1 token.
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # Right after a preemption the pages are too scarce to admit anyone: doing so would only thrash.
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            chunks=tuple(plan.chunks),
+            num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
+            preempted_request_ids=tuple(plan.preempted),
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance each scheduled request, append the token sampled for each chunk with
+        `samples=True`, cache its full blocks and check the stop rules. Returns the requests that finished;
+        their pages are free again."""
+        finished = []
+        for chunk in sched_out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted since schedule(): its work this step is void
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"chunk of {chunk.request_id!r} starts at {chunk.start} but the request "
+                                   f"has {request.num_computed_tokens} computed tokens")
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                      request.cache_salt)
+            if chunk.samples and self._append_token(request, sampled[chunk.request_id]):
+                self.running.remove(request)
+                self._retire(request)
+                finished.append(request)
+        return finished
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = self._chunk_size(request, plan)
+            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]  # always at or after `index`: requests already planned are never victims
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            else:
+                self._add_chunk(request, num_new, plan)
+                index += 1
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs and plan.budget > 0:
+            request = self.waiting[0]
+            _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
+                                                        request.cache_salt)
+            request.num_computed_tokens = num_cached
+            num_new = self._chunk_size(request, plan)
+            if self.kv.allocate_slots(request.request_id, num_cached + num_new) is None:
+                self.kv.free(request.request_id)  # give back the prefix hit; FIFO: nobody overtakes it
+                request.num_computed_tokens = 0
+                return
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_chunk(request, num_new, plan)
+
+    def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = min(remaining, plan.budget)
+        if self.cost_model is not None and num_new > 1:
+            num_new = self.cost_model.largest_chunk(request.num_computed_tokens, remaining, cap=num_new,
+                                                    other_chunks=plan.cost_chunks)
+        return num_new
+
+    def _add_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        tokens = request.all_token_ids[start:end]
+        plan.chunks.append(ScheduledChunk(request.request_id, start, tuple(tokens), end == request.num_tokens))
+        plan.cost_chunks.append((num_new, start))
+        plan.budget -= num_new
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        plan.preempted.append(request.request_id)
+        self.num_preemptions += 1
+
+    def _append_token(self, request: Request, token_id: int) -> bool:
+        """Append a sampled token; True when it finishes the request."""
+        request.output_token_ids.append(token_id)
+        reason, stop_reason = check_stop(token_id, request.num_output_tokens, request.num_tokens,
+                                         request.sampling_params, self.eos_token_ids, self.max_model_len)
+        if reason is None:
+            return False
+        request.finish(reason, stop_reason)
+        return True
+
+    def _retire(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
