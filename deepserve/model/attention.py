@@ -17,7 +17,7 @@ from deepserve.core.interfaces import Backend
 from .batch import ForwardBatch
 from .common import NormWeight, linear
 from .compressor import Compressor
-from .state import AttentionState, WindowRing
+from .state import AttentionState, LayerStateSpec
 
 
 def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> torch.Tensor:
@@ -44,12 +44,12 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.compressor = None if layer_type == SLIDING else Compressor(cfg, backend, layer_type, inv_freq.clone())
 
-    def make_state(self, dtype: torch.dtype, device) -> AttentionState:
+    def state_spec(self) -> LayerStateSpec:
         c = self.compressor
-        return AttentionState(
-            window=WindowRing(self.window, self.head_dim, dtype, device),
-            compressor=c.make_state(dtype, device) if c is not None else None,
-            indexer=c.indexer.make_state(dtype, device) if c is not None and c.indexer is not None else None,
+        return LayerStateSpec(
+            window=self.window, width=self.head_dim,
+            compressor=c.stream_spec() if c is not None else None,
+            indexer=c.indexer.stream_spec() if c is not None and c.indexer is not None else None,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]) -> torch.Tensor:

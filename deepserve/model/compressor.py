@@ -17,7 +17,7 @@ from deepserve.core.interfaces import Backend
 
 from .batch import ForwardBatch, SeqChunk
 from .common import NormWeight
-from .state import CompressorState
+from .state import CompressorState, StreamSpec
 
 
 class _Pooler(nn.Module):
@@ -33,8 +33,8 @@ class _Pooler(nn.Module):
         self.kv_norm = NormWeight(dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def make_state(self, dtype: torch.dtype, device) -> CompressorState:
-        return CompressorState(self.ratio, self.dim, self.overlap, dtype, device)
+    def stream_spec(self) -> StreamSpec:
+        return StreamSpec(self.ratio, self.dim, self.overlap)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.kv_proj(x).float()

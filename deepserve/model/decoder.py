@@ -13,7 +13,7 @@ from .batch import ForwardBatch
 from .common import NormWeight
 from .mhc import HyperConnection
 from .moe import MoE
-from .state import AttentionState
+from .state import AttentionState, LayerStateSpec
 
 
 class DecoderLayer(nn.Module):
@@ -27,8 +27,8 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg, backend)
         self.ffn_hc = HyperConnection(cfg, backend)
 
-    def make_state(self, dtype: torch.dtype, device) -> AttentionState:
-        return self.self_attn.make_state(dtype, device)
+    def state_spec(self) -> LayerStateSpec:
+        return self.self_attn.state_spec()
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState], token_ids: torch.Tensor

@@ -21,7 +21,7 @@ from .common import NormWeight, linear
 from .decoder import DecoderLayer
 from .mhc import HyperHead
 from .mtp import MTPBlock
-from .state import SequenceState
+from .state import LayerStateSpec, SequenceState, contiguous_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
 
+    def state_specs(self) -> tuple[list[LayerStateSpec], list[LayerStateSpec]]:
+        """What every main layer and every MTP block keeps per sequence (for the KV cache to allocate)."""
+        return [layer.state_spec() for layer in self.model.layers], [block.state_spec() for block in self.mtp]
+
     def make_state(self, dtype: torch.dtype | None = None, device=None) -> SequenceState:
-        """Fresh state for one sequence, on the model's device and in its activation dtype by default."""
+        """A fresh self-contained state for one sequence (contiguous storage, no paging)."""
         dtype = dtype or self.lm_head.weight.dtype
         device = device or self.lm_head.weight.device
+        main, mtp = self.state_specs()
         return SequenceState(
-            layers=[layer.make_state(dtype, device) for layer in self.model.layers],
-            mtp_layers=[block.make_state(dtype, device) for block in self.mtp],
+            layers=[contiguous_state(spec, dtype, device) for spec in main],
+            mtp_layers=[contiguous_state(spec, dtype, device) for spec in mtp],
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ class WindowRing:
 
     __slots__ = ("ring",)
 
-    def __init__(self, window: int, width: int, dtype: torch.dtype, device: str | torch.device) -> None:
-        self.ring = torch.zeros((window, width), dtype=dtype, device=device)
+    def __init__(self, ring: torch.Tensor) -> None:
+        self.ring = ring  # [window, width]; may be a view into a pool of per-sequence slots
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end); the caller guarantees they are still in the ring."""
@@ -76,27 +76,75 @@ class CompressorState:
 
     `open_kv` / `open_gate` hold the projections of the open block's tokens (how many: position mod ratio),
     the gate already including the position bias. With overlap (CSA), `prev_kv` / `prev_gate` hold the Ca
-    half of the last closed block. Frontier tensors are fp32, as in the official reference.
+    half of the last closed block. Frontier tensors are fp32, as in the official reference. `rows` is a
+    `RowStore` or anything with its interface (the paged cache's page-table view).
+
+    `snap_prev_kv` / `snap_prev_gate` ([pages, ratio, dim], optional) receive the overlap state at page
+    boundaries that the batch asks to snapshot, for prefix-cache hits at those boundaries.
     """
 
-    __slots__ = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate")
+    __slots__ = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate", "snap_prev_kv", "snap_prev_gate")
 
-    def __init__(self, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, device: str | torch.device) -> None:
-        width = 2 * dim if overlap else dim
-        self.rows = RowStore(dim, dtype, device)
-        self.open_kv = torch.zeros((ratio, width), dtype=torch.float32, device=device)
-        self.open_gate = torch.zeros((ratio, width), dtype=torch.float32, device=device)
-        self.prev_kv = torch.zeros((ratio, dim), dtype=torch.float32, device=device) if overlap else None
-        self.prev_gate = torch.zeros((ratio, dim), dtype=torch.float32, device=device) if overlap else None
+    def __init__(self, rows, open_kv, open_gate, prev_kv=None, prev_gate=None, snap_prev_kv=None, snap_prev_gate=None):
+        self.rows = rows
+        self.open_kv, self.open_gate = open_kv, open_gate
+        self.prev_kv, self.prev_gate = prev_kv, prev_gate
+        self.snap_prev_kv, self.snap_prev_gate = snap_prev_kv, snap_prev_gate
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """One compressed row stream of a layer: `ratio` tokens per row, rows `dim` wide, CSA-style `overlap`."""
+
+    ratio: int
+    dim: int
+    overlap: bool
+
+    @property
+    def frontier_width(self) -> int:
+        return 2 * self.dim if self.overlap else self.dim
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStateSpec:
+    """What one attention layer keeps per sequence; the cache allocates it, contiguous or paged."""
+
+    window: int
+    width: int
+    compressor: StreamSpec | None = None
+    indexer: StreamSpec | None = None
+
+    def streams(self) -> list[StreamSpec]:
+        return [s for s in (self.compressor, self.indexer) if s is not None]
 
 
 @dataclass(slots=True)
 class AttentionState:
-    """Everything one attention layer keeps for one sequence."""
+    """Everything one attention layer keeps for one sequence. `snap_window` ([pages, window, width],
+    optional) receives the window rows at page boundaries the batch asks to snapshot."""
 
     window: WindowRing
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    snap_window: torch.Tensor | None = None
+
+
+def new_frontier(spec: StreamSpec, rows, device) -> CompressorState:
+    """A zeroed fp32 frontier around the given row store."""
+    def zeros(width):
+        return torch.zeros((spec.ratio, width), dtype=torch.float32, device=device)
+
+    return CompressorState(rows, zeros(spec.frontier_width), zeros(spec.frontier_width),
+                           zeros(spec.dim) if spec.overlap else None, zeros(spec.dim) if spec.overlap else None)
+
+
+def contiguous_state(spec: LayerStateSpec, dtype: torch.dtype, device) -> AttentionState:
+    """A self-contained state (own window ring, growing row stores): for tests and one-off runs."""
+    def stream(s: StreamSpec | None) -> CompressorState | None:
+        return None if s is None else new_frontier(s, RowStore(s.dim, dtype, device), device)
+
+    ring = torch.zeros((spec.window, spec.width), dtype=dtype, device=device)
+    return AttentionState(WindowRing(ring), stream(spec.compressor), stream(spec.indexer))
 
 
 @dataclass(slots=True)
