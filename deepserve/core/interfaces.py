@@ -28,6 +28,10 @@ class Backend(ABC):
     Shapes use T = tokens in the flattened batch (no padding anywhere), H = query heads, d = head dim,
     N = rows in a key/value pool, n = mHC streams, D = hidden size, E = experts.
     Every op is pure: it returns new tensors and never keeps references to its inputs.
+
+    Every op is batch-invariant: a token's result does not depend on which other tokens share the batch or
+    where it sits in it. Deterministic serving (a seeded request gets the same tokens alone or in a busy
+    batch) rests on this.
     """
 
     #: short name, as accepted by `DEEPSERVE_ACCELERATOR` (`cpu`, `nvidia`, `ascend`, or a plugin's own)
@@ -37,6 +41,17 @@ class Backend(ABC):
     @abstractmethod
     def device(self) -> str:
         """The torch device string the model's weights and state live on (e.g. `cpu`, `cuda:0`)."""
+
+    @abstractmethod
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """`x @ weight.T` for x [T, K], weight [N, K]. Batch-invariant: a row's result does not depend on how
+        many other rows `x` holds (BLAS libraries switch kernels for small row counts; implementations must not
+        let that leak into results)."""
+
+    @abstractmethod
+    def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """Block-diagonal projection: x [T, G, K], weight [G, N, K] -> [T, G, N], group g through its own
+        slice. Batch-invariant like `linear`."""
 
     @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -79,10 +94,19 @@ class Backend(ABC):
     ) -> Tensor:
         """Lightning-indexer selection. Query t sees keys `keys[key_start[t] : key_start[t] + key_count[t]]`;
         its score for key w is `sum_h weights[t, h] * relu(q[t, h] . keys[w])`. Returns [T, topk] int64
-        absolute row numbers into `keys`, best first; ties go to the lowest row; unused slots are -1.
+        absolute row numbers into `keys` of the `topk` best keys (ties go to the lowest row), in ascending row
+        order, unused slots last as -1.
 
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
+
+    @abstractmethod
+    def router_scores(self, logits: Tensor) -> Tensor:
+        """The MoE router's activation `sqrt(softplus(logits))`, fp32 [T, E]."""
+
+    @abstractmethod
+    def swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
+        """Clamped SwiGLU: `silu(min(gate, limit)) * clamp(up, -limit, limit)`."""
 
     @abstractmethod
     def moe_experts(

@@ -32,13 +32,13 @@ class Attention(nn.Module):
         H, d = cfg.num_attention_heads, cfg.head_dim
         self.num_heads, self.head_dim, self.window = H, d, cfg.sliding_window
         self.scale = d**-0.5
-        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = linear(backend, cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = NormWeight(cfg.q_lora_rank)
-        self.q_b_proj = linear(cfg.q_lora_rank, H * d)
-        self.kv_proj = linear(cfg.hidden_size, d)
+        self.q_b_proj = linear(backend, cfg.q_lora_rank, H * d)
+        self.kv_proj = linear(backend, cfg.hidden_size, d)
         self.kv_norm = NormWeight(d)
-        self.o_a_proj = linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.o_b_proj = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_a_proj = linear(backend, H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.o_b_proj = linear(backend, cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         inv_freq = rope_inv_freq(cfg, layer_type)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -70,10 +70,9 @@ class Attention(nn.Module):
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """Heads in G groups; group g goes through its own slice of `o_a_proj`."""
-        G = self.cfg.o_groups
-        grouped = out.reshape(out.shape[0], G, -1).transpose(0, 1)  # [G, T, H*d/G]
-        w = self.o_a_proj.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*d/G]
-        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)
+        G, T = self.cfg.o_groups, out.shape[0]
+        w = self.o_a_proj.weight.view(G, -1, self.num_heads * self.head_dim // G)  # [G, d_g, H*d/G]
+        return self.backend.grouped_linear(out.reshape(T, G, -1), w).reshape(T, -1)
 
     def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
         """Concatenate each sequence's window rows and compressed rows; index them per query."""

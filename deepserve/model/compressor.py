@@ -16,7 +16,7 @@ from deepserve.core.config import CSA, ModelConfig
 from deepserve.core.interfaces import Backend
 
 from .batch import ForwardBatch, SeqChunk
-from .common import NormWeight
+from .common import NormWeight, linear
 from .state import CompressorState, StreamSpec
 
 
@@ -27,8 +27,8 @@ class _Pooler(nn.Module):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.backend, self.ratio, self.dim, self.overlap, self.eps = backend, ratio, dim, overlap, cfg.rms_norm_eps
-        self.kv_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.kv_proj = linear(backend, cfg.hidden_size, width)
+        self.gate_proj = linear(backend, cfg.hidden_size, width)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.kv_norm = NormWeight(dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -79,9 +79,9 @@ class Indexer(_Pooler):
         ratio = cfg.compress_rate(CSA)
         super().__init__(cfg, backend, ratio, cfg.index_head_dim, overlap=True, inv_freq=inv_freq)
         self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.q_b_proj = linear(backend, cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.scorer = nn.Module()
-        self.scorer.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+        self.scorer.weights_proj = linear(backend, cfg.hidden_size, cfg.index_n_heads)
         self.weight_scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
 
     def select(self, x, qr, batch: ForwardBatch, states: list[CompressorState]) -> torch.Tensor:

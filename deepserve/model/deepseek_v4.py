@@ -61,7 +61,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.backend = cfg, backend
         self.model = DeepseekV4Body(cfg, backend)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = linear(backend, cfg.hidden_size, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
 
     def state_specs(self) -> tuple[list[LayerStateSpec], list[LayerStateSpec]]:
@@ -80,7 +80,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in fp32, as the official reference computes it."""
-        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        return self.backend.linear(hidden.float(), self.lm_head.weight.float())
 
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
         """Run the new tokens of every sequence, update their states in place, return logits for

@@ -4,7 +4,6 @@ table in the first layers; clamped SwiGLU experts; one shared expert added to ev
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepserve.core.config import HASH_MOE, ModelConfig
@@ -16,8 +15,9 @@ from .common import linear
 class Router(nn.Module):
     """Picks `top_k` experts per token and their weights. Hash layers select by `tid2eid[token_id]`."""
 
-    def __init__(self, cfg: ModelConfig, is_hash: bool):
+    def __init__(self, cfg: ModelConfig, backend: Backend, is_hash: bool):
         super().__init__()
+        self.backend = backend
         self.top_k, self.scale, self.is_hash = cfg.num_experts_per_tok, cfg.routed_scaling_factor, is_hash
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if is_hash:
@@ -26,7 +26,7 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
+        scores = self.backend.router_scores(self.backend.linear(x.float(), self.weight.float()))
         if self.is_hash:
             ids = self.tid2eid[token_ids]
         else:  # the bias steers selection only; the weights come from the unbiased scores
@@ -45,25 +45,24 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj, self.up_proj, self.down_proj = linear(D, I), linear(D, I), linear(I, D)
-        self.limit = cfg.swiglu_limit
+        self.gate_proj, self.up_proj = linear(backend, D, I), linear(backend, D, I)
+        self.down_proj = linear(backend, I, D)
+        self.backend, self.limit = backend, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.backend.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, mlp_type: str):
         super().__init__()
         self.backend, self.limit = backend, cfg.swiglu_limit
-        self.gate = Router(cfg, is_hash=mlp_type == HASH_MOE)
+        self.gate = Router(cfg, backend, is_hash=mlp_type == HASH_MOE)
         self.experts = Experts(cfg)
-        self.shared_experts = SharedExpert(cfg)
+        self.shared_experts = SharedExpert(cfg, backend)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)

@@ -28,7 +28,7 @@ class MTPBlock(DecoderLayer):
         D = cfg.hidden_size
         self.cfg = cfg
         self.enorm, self.hnorm = NormWeight(D), NormWeight(D)
-        self.e_proj, self.h_proj = linear(D, D), linear(D, D)
+        self.e_proj, self.h_proj = linear(backend, D, D), linear(backend, D, D)
         self.hc_head = HyperHead(cfg, backend)
         self.norm = NormWeight(D)
 
