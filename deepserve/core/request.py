@@ -45,6 +45,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "cache_salt", "arrival_order", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason", "stop_reason",
+        "num_pending_tokens",
     )
 
     def __init__(
@@ -63,11 +64,12 @@ class Request:
         self.arrival_order = 0
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # sampled by a step still in flight: computed next step, id not yet known
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,7 +92,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """`num_tokens` plus the tokens an in-flight step is sampling (asynchronous scheduling)."""
+        return self.num_tokens + self.num_pending_tokens
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.from_finish_reason(reason)
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -60,9 +60,11 @@ class Attention(nn.Module):
         kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq)
 
         compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
-        pool, indices = self._key_pool(kv, batch, states, compressed)
+        pool, indices, windows = self._key_pool(kv, batch, states, compressed)
         out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
-        for chunk, st in zip(batch.chunks, states):
+        for chunk, st, (first, rows) in zip(batch.chunks, states, windows):
+            for boundary, page in chunk.snapshots:  # window tail [boundary - W, boundary) for prefix hits there
+                st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
             st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
 
         out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True)
@@ -75,15 +77,17 @@ class Attention(nn.Module):
         return self.backend.grouped_linear(out.reshape(T, G, -1), w).reshape(T, -1)
 
     def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
-        """Concatenate each sequence's window rows and compressed rows; index them per query."""
+        """Concatenate each sequence's window rows and compressed rows; index them per query. Also returns, per
+        sequence, (first position, rows) of the window rows gathered."""
         W, device = self.window, kv.device
-        pieces, index_parts, base = [], [], 0
+        pieces, index_parts, windows, base = [], [], [], 0
         width_c = compressed.shape[1] if compressed is not None else 0
         for chunk, st in zip(batch.chunks, states):
             first = max(0, chunk.start - W + 1)
             new = kv[chunk.offset : chunk.offset + chunk.length]
             window_rows = torch.cat((st.window.read(first, chunk.start), new)) if first < chunk.start else new
             pieces.append(window_rows)
+            windows.append((first, window_rows))
             t = torch.arange(chunk.start, chunk.end, device=device)
             key_pos = t[:, None] - W + 1 + torch.arange(W, device=device)[None, :]  # window of each query
             win_idx = torch.where(key_pos >= 0, base + key_pos - first, torch.full_like(key_pos, -1))
@@ -96,4 +100,4 @@ class Attention(nn.Module):
                 base += rows.num_rows
             index_parts.append(win_idx)
         indices = torch.cat(index_parts) if index_parts else kv.new_zeros((0, W + width_c), dtype=torch.long)
-        return torch.cat(pieces), indices
+        return torch.cat(pieces), indices, windows

@@ -12,11 +12,16 @@ from .state import SequenceState
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
-    """`length` new tokens of one sequence, at positions `start ..`; rows `offset ..` of the flat batch."""
+    """`length` new tokens of one sequence, at positions `start ..`; rows `offset ..` of the flat batch.
+
+    `snapshots` lists (boundary, page) pairs: page boundaries inside (start, end] at which every layer saves its
+    window tail and overlap state into the page's snapshot slot, for prefix-cache hits there.
+    """
 
     offset: int
     start: int
     length: int
+    snapshots: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
@@ -42,6 +47,7 @@ def make_batch(
     starts: Sequence[int],
     device: str | torch.device,
     logits_rows: Sequence[Sequence[int]] | None = None,
+    snapshots: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> ForwardBatch:
     """Build a batch from each sequence's new tokens and the position of its first new token.
 
@@ -56,7 +62,10 @@ def make_batch(
         n = len(tokens)
         if n == 0:
             raise ValueError(f"sequence {i} has no new tokens")
-        chunks.append(SeqChunk(offset=offset, start=int(start), length=n))
+        snaps = tuple(snapshots[i]) if snapshots is not None else ()
+        if any(not start < b <= start + n for b, _ in snaps):
+            raise ValueError(f"sequence {i}: snapshot boundaries {snaps} outside ({start}, {start + n}]")
+        chunks.append(SeqChunk(offset=offset, start=int(start), length=n, snapshots=snaps))
         ids.extend(int(t) for t in tokens)
         pos.extend(range(start, start + n))
         rows = [n - 1] if logits_rows is None else list(logits_rows[i])

@@ -56,6 +56,11 @@ class _Pooler(nn.Module):
         kv = kv[: closed * m].view(closed, m, -1)
         gate = gate[: closed * m].view(closed, m, -1)
         first = state.rows.num_rows
+        if self.overlap and state.snap_prev_kv is not None:
+            for boundary, page in chunk.snapshots:  # the Ca half of the block that closes at the boundary
+                block = boundary // m - 1 - first
+                state.snap_prev_kv[page] = kv[block, :, :d]
+                state.snap_prev_gate[page] = gate[block, :, :d]
         if self.overlap:
             slots_kv = kv.new_zeros((closed, 2 * m, d))
             slots_gate = gate.new_full((closed, 2 * m, d), float("-inf"))  # block 0 has no predecessor

@@ -3,9 +3,14 @@
 The contract is two calls per engine step:
 
 1. `schedule()` decides what every request computes this step and returns a `SchedulerOutput` (a value object:
-   the model runner never sees a live `Request`);
+   the model runner never sees a live `Request`); the scheduled tokens count as computed from then on;
 2. `update_from_output(sched_out, sampled)` takes the token sampled for each chunk that ends at its request's
-   last known token, advances the requests, applies the stop rules, and returns the requests that finished.
+   last token, appends it, applies the stop rules, and returns the requests that finished.
+
+Asynchronous scheduling: `schedule()` for step N may run before `update_from_output()` of step N-1, while the
+device still computes N-1. A request sampling in N-1 then has one *pending* token whose id is not known yet;
+step N computes it anyway, as a placeholder id (`PLACEHOLDER`) the model runner fills from N-1's sampled
+tokens on the device. If N-1's token finishes the request, its work in step N is discarded.
 
 `add_request` and `abort` may be called at any time between or around those two calls. Plain Python, no torch.
 """
@@ -17,16 +22,21 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from deepserve.core.kv.manager import KVCacheManager
+from deepserve.core.outputs import FinishReason
 from deepserve.core.request import Request, RequestStatus
 from deepserve.core.scheduler.cost_model import Chunk, StepCostModel
 from deepserve.core.stop_checker import check_stop
+
+
+PLACEHOLDER = -1  # a token id the model runner takes from the previous step's samples
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Tokens `[start, start + len(token_ids))` of one request, to compute this step.
 
-    `samples` is True when the chunk ends at the request's last known token, so the runner samples a token.
+    `samples` is True when the chunk ends at the request's last token, so the runner samples a token. A token id
+    `PLACEHOLDER` stands for the token the previous step samples for this request.
     """
 
     request_id: str
@@ -128,7 +138,12 @@ class Scheduler:
         Safe at any time, also between `schedule()` and `update_from_output()`: the chunks of an aborted request
         in that step's output are then skipped. Returns the requests aborted.
         """
-        aborted = []
+        return self.finish_requests(request_ids, "abort")
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Finish requests from outside the step (abort, or a stop string found in the detokenized text)."""
+        finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -137,10 +152,10 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            request.finish("abort")
+            request.finish(reason, stop_reason)
             self._retire(request)
-            aborted.append(request)
-        return aborted
+            finished.append(request)
+        return finished
 
     def schedule(self) -> SchedulerOutput:
         # Token catch-up: every request computes `num_tokens - num_computed_tokens` tokens this step, capped by
@@ -160,22 +175,24 @@ class Scheduler:
         )
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results: advance each scheduled request, append the token sampled for each chunk with
-        `samples=True`, cache its full blocks and check the stop rules. Returns the requests that finished;
-        their pages are free again."""
+        """Apply a step's results: append the token sampled for each chunk with `samples=True`, cache the
+        request's newly full blocks and check the stop rules. Returns the requests that finished; their pages
+        are free again. Requests finished or aborted since `schedule()` are skipped."""
         finished = []
         for chunk in sched_out.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted since schedule(): its work this step is void
-            if request.num_computed_tokens != chunk.start:
-                raise RuntimeError(f"chunk of {chunk.request_id!r} starts at {chunk.start} but the request "
-                                   f"has {request.num_computed_tokens} computed tokens")
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                      request.cache_salt)
-            if chunk.samples and self._append_token(request, sampled[chunk.request_id]):
-                self.running.remove(request)
+            if request is None or not chunk.samples:
+                continue
+            request.num_pending_tokens -= 1
+            done = self._append_token(request, sampled[chunk.request_id])
+            if request.status is RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
+                                          min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
+            if done:
+                if request in self.running:
+                    self.running.remove(request)
+                else:  # preempted after this step was planned: it waits for recompute
+                    self.waiting.remove(request)
                 self._retire(request)
                 finished.append(request)
         return finished
@@ -184,6 +201,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
+            if self._finishes_with_pending(request):
+                index += 1  # its in-flight token is its last: computing past it would be wasted
+                continue
             num_new = self._chunk_size(request, plan)
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]  # always at or after `index`: requests already planned are never victims
@@ -212,8 +232,15 @@ class Scheduler:
             self.running.append(request)
             self._add_chunk(request, num_new, plan)
 
+    def _finishes_with_pending(self, request: Request) -> bool:
+        if not request.num_pending_tokens:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        outputs = request.num_output_tokens + request.num_pending_tokens
+        return (max_tokens is not None and outputs >= max_tokens) or request.num_tokens_with_pending >= self.max_model_len
+
     def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_tokens_with_pending - request.num_computed_tokens
         num_new = min(remaining, plan.budget)
         if self.cost_model is not None and num_new > 1:
             num_new = self.cost_model.largest_chunk(request.num_computed_tokens, remaining, cap=num_new,
@@ -223,10 +250,15 @@ class Scheduler:
     def _add_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        tokens = request.all_token_ids[start:end]
-        plan.chunks.append(ScheduledChunk(request.request_id, start, tuple(tokens), end == request.num_tokens))
+        known = request.all_token_ids[start:end]
+        tokens = tuple(known) + (PLACEHOLDER,) * (num_new - len(known))
+        samples = end == request.num_tokens_with_pending
+        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples))
         plan.cost_chunks.append((num_new, start))
         plan.budget -= num_new
+        request.num_computed_tokens = end  # counted as computed from now on: the device will have done it
+        if samples:
+            request.num_pending_tokens += 1
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)

@@ -1,0 +1,165 @@
+"""The paged V4 cache: preallocated tensors behind the block tables that `deepserve.core.kv` keeps.
+
+Per layer and per compressed stream, a pool of pages: page p holds the rows of tokens [k*P, (k+1)*P) of the
+sequence whose block table lists p at index k (CSA rows and indexer keys: P/4 rows per page; HCA rows: P/128).
+Pages are shared between sequences with a common prefix. Per sequence, a *slot* holds what is not paged: the
+window ring and the compression frontier of every layer.
+
+Prefix reuse needs more than the shared rows (spec 4.4): a sequence that resumes at page boundary B also needs
+the raw window rows of [B - window, B) and the CSA overlap state at B. These are *stored*, not recomputed
+(recomputing them exactly means re-running every layer over a growing cone of earlier tokens): whenever a
+forward pass crosses a page boundary, each layer copies its window tail and overlap state at that boundary into
+the page's snapshot slot, and a prefix hit at B restores them from the last hit page. The open compression
+blocks are empty at a page boundary because the page size is a multiple of every compression ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .deepseek_v4 import DeepseekV4ForCausalLM
+from .state import AttentionState, CompressorState, LayerStateSpec, SequenceState, StreamSpec, WindowRing
+
+logger = logging.getLogger(__name__)
+
+
+class PagedRows:
+    """A `RowStore` look-alike over pages: row r of the sequence lives in page `table[r // per_page]`."""
+
+    __slots__ = ("pool", "table", "per_page", "num_rows")
+
+    def __init__(self, pool: torch.Tensor, table: list[int], num_rows: int = 0) -> None:
+        self.pool, self.table, self.per_page, self.num_rows = pool, table, pool.shape[1], num_rows
+
+    def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(start, end, device=self.pool.device)
+        pages = torch.tensor(self.table[: (end + self.per_page - 1) // self.per_page], device=self.pool.device)
+        return pages[rows // self.per_page], rows % self.per_page
+
+    def view(self) -> torch.Tensor:
+        pages, slots = self._where(0, self.num_rows)
+        return self.pool[pages, slots]
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self.num_rows + rows.shape[0]
+        if end > len(self.table) * self.per_page:
+            raise RuntimeError(f"block table holds {len(self.table)} pages, too few for {end} rows")
+        pages, slots = self._where(self.num_rows, end)
+        self.pool[pages, slots] = rows.to(self.pool.dtype)
+        self.num_rows = end
+
+    def truncate(self, num_rows: int) -> None:
+        if not 0 <= num_rows <= self.num_rows:
+            raise ValueError(f"cannot truncate {self.num_rows} rows to {num_rows}")
+        self.num_rows = num_rows
+
+
+class _StreamPools:
+    """Pages, frontier slots and page snapshots of one compressed stream of one layer."""
+
+    def __init__(self, spec: StreamSpec, num_pages: int, page_size: int, num_slots: int, dtype, device) -> None:
+        self.spec = spec
+        self.rows = torch.zeros((num_pages, page_size // spec.ratio, spec.dim), dtype=dtype, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.open_kv = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
+        self.open_gate = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
+        overlap = (num_slots, spec.ratio, spec.dim) if spec.overlap else (0,)
+        self.prev_kv, self.prev_gate = torch.zeros(overlap, **f32), torch.zeros(overlap, **f32)
+        snap = (num_pages, spec.ratio, spec.dim) if spec.overlap else (0,)
+        self.snap_kv, self.snap_gate = torch.zeros(snap, **f32), torch.zeros(snap, **f32)
+
+    def state(self, slot: int, table: list[int], num_rows: int) -> CompressorState:
+        o = self.spec.overlap
+        self.open_kv[slot].zero_()
+        self.open_gate[slot].zero_()
+        return CompressorState(
+            PagedRows(self.rows, table, num_rows), self.open_kv[slot], self.open_gate[slot],
+            self.prev_kv[slot] if o else None, self.prev_gate[slot] if o else None,
+            self.snap_kv if o else None, self.snap_gate if o else None,
+        )
+
+
+class _LayerPools:
+    def __init__(self, spec: LayerStateSpec, num_pages, page_size, num_slots, dtype, device) -> None:
+        self.spec = spec
+        self.window = torch.zeros((num_slots, spec.window, spec.width), dtype=dtype, device=device)
+        self.snap_window = torch.zeros((num_pages, spec.window, spec.width), dtype=dtype, device=device)
+        self.compressor = _StreamPools(spec.compressor, num_pages, page_size, num_slots, dtype, device) \
+            if spec.compressor else None
+        self.indexer = _StreamPools(spec.indexer, num_pages, page_size, num_slots, dtype, device) \
+            if spec.indexer else None
+
+    def state(self, slot: int, table: list[int], num_tokens: int) -> AttentionState:
+        self.window[slot].zero_()
+
+        def stream(pools: _StreamPools | None) -> CompressorState | None:
+            return None if pools is None else pools.state(slot, table, num_tokens // pools.spec.ratio)
+
+        return AttentionState(WindowRing(self.window[slot]), stream(self.compressor), stream(self.indexer),
+                              self.snap_window)
+
+    def restore(self, st: AttentionState, page: int, boundary: int) -> None:
+        """Load the window tail and overlap state saved at `boundary` (the end of `page`)."""
+        st.window.write(boundary - self.spec.window, self.snap_window[page])
+        for comp in (st.compressor, st.indexer):
+            if comp is not None and comp.prev_kv is not None:
+                comp.prev_kv.copy_(comp.snap_prev_kv[page])
+                comp.prev_gate.copy_(comp.snap_prev_gate[page])
+
+
+def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype) -> int:
+    """Device bytes one page costs: every layer's rows for P tokens plus the page's boundary snapshot."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for spec in model.state_specs()[0]:
+        total += spec.window * spec.width * item
+        for s in spec.streams():
+            total += (page_size // s.ratio) * s.dim * item + (2 * s.ratio * s.dim * 4 if s.overlap else 0)
+    return total
+
+
+class PagedKVCache:
+    """Pools for `num_pages` pages of `page_size` tokens and `num_slots` concurrent sequences."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, num_pages: int, page_size: int, num_slots: int,
+                 dtype: torch.dtype | None = None, device=None) -> None:
+        main, _ = model.state_specs()
+        for spec in main:
+            if spec.window > page_size:
+                raise ValueError(f"page_size {page_size} must be at least the sliding window {spec.window}")
+            for s in spec.streams():
+                if page_size % s.ratio:
+                    raise ValueError(f"page_size {page_size} must be a multiple of every compression ratio ({s.ratio})")
+        dtype = dtype or model.lm_head.weight.dtype
+        device = device or model.lm_head.weight.device
+        self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
+        self.layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device) for s in main]
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,
+                    num_pages * bytes_per_page(model, page_size, dtype) / 2**20, num_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def new_sequence(self, table: list[int], num_cached_tokens: int = 0) -> tuple[SequenceState, int]:
+        """A state for a sequence whose pages are `table` (a list the caller keeps extending) and whose first
+        `num_cached_tokens` (a multiple of the page size) are served from shared pages."""
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} sequence slots are in use")
+        if num_cached_tokens % self.page_size:
+            raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
+        slot = self._free_slots.pop()
+        layers = [pools.state(slot, table, num_cached_tokens) for pools in self.layers]
+        if num_cached_tokens:
+            page = table[num_cached_tokens // self.page_size - 1]
+            for pools, st in zip(self.layers, layers):
+                pools.restore(st, page, num_cached_tokens)
+        return SequenceState(layers=layers, num_tokens=num_cached_tokens), slot
+
+    def free_sequence(self, slot: int) -> None:
+        if slot in self._free_slots or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not in use")
+        self._free_slots.append(slot)
