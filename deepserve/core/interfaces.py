@@ -12,7 +12,11 @@ stays torch-free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from deepserve.core.outputs import PositionLogprobs
+from deepserve.core.sampling_params import SamplingParams
 
 # annotations only; on one line so that nothing in deepserve/core reads as a torch import
 if TYPE_CHECKING: from torch import Tensor  # noqa: E701
@@ -133,3 +137,67 @@ class Backend(ABC):
         sampled). The randomness of a row is a function of (seed, position) only, so a seeded request draws
         the same tokens whatever else is in the batch. Returns [B] int64.
         """
+
+
+# -- the engine core <-> model runner seam ------------------------------------------------------------------------
+# Value objects only: the runner never sees a live Request.
+
+#: a token id the runner takes from its previous step's samples (asynchronous scheduling)
+PLACEHOLDER = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """One request's tokens for one step.
+
+    `token_ids` cover positions [start, start + len); `PLACEHOLDER` entries are the tokens the previous step sampled
+    for this request. A request the runner has no state for starts at `start` (0, or a prefix-cache hit whose
+    boundary state the cache restores). `block_table` lists the request's pages so far. `samples`: draw the next
+    token from the last position's logits, with `params` and `seed`, never drawing `blocked_token_ids`.
+    `prompt_targets`: for prompt-logprob requests, the next prompt token of each leading chunk position.
+    `snapshots`: (page boundary, page) pairs inside (start, end] at which to save prefix-hit state.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    samples: bool
+    block_table: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    blocked_token_ids: tuple[int, ...] = ()
+    prompt_targets: tuple[int, ...] = ()
+    snapshots: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """One step for the runner: drop the state of `freed_request_ids` (finished or preempted), then compute."""
+
+    chunks: tuple[ChunkInput, ...]
+    freed_request_ids: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step produced, per request id. `seconds`: wall time of the step on the runner (cost model)."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled_logprobs: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class ModelExecutor(ABC):
+    """Runs steps on a device. Called from one thread at a time, in step order; a step may read the samples of
+    the step before it (placeholders), so steps must execute in the order they are submitted."""
+
+    @abstractmethod
+    def execute(self, step: StepInput) -> StepOutput:
+        """Compute one step and return its samples (the one device-to-host copy of the step)."""
+
+    @property
+    @abstractmethod
+    def num_free_slots(self) -> int:
+        """How many more sequences can hold state at once."""

@@ -35,7 +35,8 @@ class PagedRows:
 
     def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(start, end, device=self.pool.device)
-        pages = torch.tensor(self.table[: (end + self.per_page - 1) // self.per_page], device=self.pool.device)
+        pages = torch.tensor(self.table[: (end + self.per_page - 1) // self.per_page], dtype=torch.long,
+                             device=self.pool.device)
         return pages[rows // self.per_page], rows % self.per_page
 
     def view(self) -> torch.Tensor:

@@ -1,106 +1,146 @@
-"""The model runner: turns one step's plan (which sequences compute which new tokens) into a forward pass,
-samples the next tokens, and gathers the logprobs requests asked for. One device-to-host copy per step."""
+"""The model runner: executes the engine's steps on the device.
+
+It owns the paged KV cache's tensors and each running request's `SequenceState` (a slot plus views into the
+pages the request's block table names). A step flattens every chunk into one `ForwardBatch`, fills placeholder
+ids from the previous step's samples without leaving the device, runs the model, samples every row in one call
+and copies the sampled ids to the host once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
-from deepserve.core.interfaces import Backend
-from deepserve.core.outputs import PositionLogprobs, make_logprob_dict
-from deepserve.core.sampling_params import SamplingParams
 from deepserve.backends.reference.sampling import compute_logprobs, suppress_tokens, top_logprobs
+from deepserve.core.interfaces import PLACEHOLDER, Backend, ChunkInput, ModelExecutor, StepInput, StepOutput
+from deepserve.core.outputs import make_logprob_dict
 
 from .batch import make_batch
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .kv_cache import PagedKVCache
 from .state import SequenceState
 
 
 @dataclass(slots=True)
-class SeqWork:
-    """One sequence's share of a step. `sample`: its last new token ends the prompt or is a decode token, so a
-    token is drawn from its logits. `prompt_targets`: for prompt-logprob requests, the token that follows each
-    new token inside the prompt (None past the prompt's end)."""
-
+class _Seq:
     state: SequenceState
-    token_ids: list[int]
-    start: int
-    params: SamplingParams
-    seed: int
-    sample: bool = True
-    blocked_ids: list[int] = field(default_factory=list)
-    prompt_targets: list[int | None] | None = None
+    slot: int
+    table: list[int]  # the cache's page-table views read this list; it grows as the request does
 
 
-@dataclass(slots=True)
-class SeqResult:
-    token_id: int | None = None
-    logprob: float | None = None
-    logprobs: PositionLogprobs | None = None
-    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
-
-
-class ModelRunner:
-    def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, decode=None) -> None:
-        self.model, self.backend = model, backend
+class ModelRunner(ModelExecutor):
+    def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, cache: PagedKVCache, decode=None) -> None:
+        self.model, self.backend, self.cache = model, backend, cache
         self.device = torch.device(backend.device)
         self.decode = decode  # token id -> text, for Logprob.decoded_token
+        self._seqs: dict[str, _Seq] = {}
+        self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
 
-    def new_state(self) -> SequenceState:
-        return self.model.make_state()
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free_slots
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
 
     @torch.inference_mode()
-    def step(self, work: Sequence[SeqWork]) -> list[SeqResult]:
-        rows = [range(len(w.token_ids)) if w.prompt_targets is not None else [len(w.token_ids) - 1] for w in work]
-        batch = make_batch([w.token_ids for w in work], [w.start for w in work], self.device, logits_rows=rows)
-        logits = self.model(batch, [w.state for w in work]).logits
-        last = torch.tensor([sum(map(len, rows[: i + 1])) - 1 for i in range(len(work))], device=self.device)
-        sample_logits = logits[last]
-        blocked = [(i, t) for i, w in enumerate(work) for t in w.blocked_ids]
+    def execute(self, step: StepInput) -> StepOutput:
+        began = time.perf_counter()
+        for request_id in step.freed_request_ids:
+            seq = self._seqs.pop(request_id, None)
+            if seq is not None:
+                self.cache.free_sequence(seq.slot)
+        if not step.chunks:
+            return StepOutput(seconds=time.perf_counter() - began)
+        chunks = step.chunks
+        states = [self._state_for(c) for c in chunks]
+        rows = [range(len(c.token_ids)) if c.prompt_targets else [len(c.token_ids) - 1] for c in chunks]
+        batch = make_batch([self._known_ids(c) for c in chunks], [c.start for c in chunks], self.device,
+                           logits_rows=rows, snapshots=[c.snapshots for c in chunks])
+        batch = self._fill_placeholders(batch, chunks)
+        logits = self.model(batch, states).logits
+        ends = torch.tensor([sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))], device=self.device)
+        out = StepOutput()
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if sampling:
+            tokens = self._sample(logits[ends[sampling]], [chunks[i] for i in sampling])
+            self._prev = (tokens, {chunks[i].request_id: row for row, i in enumerate(sampling)})
+            for row, token in enumerate(tokens.tolist()):  # the step's one planned device-to-host copy
+                out.sampled[chunks[sampling[row]].request_id] = token
+            self._logprobs(logits[ends[sampling]], tokens, [chunks[i] for i in sampling], out)
+        self._prompt_logprobs(logits, rows, chunks, out)
+        out.seconds = time.perf_counter() - began
+        return out
+
+    def _state_for(self, chunk: ChunkInput) -> SequenceState:
+        seq = self._seqs.get(chunk.request_id)
+        if seq is None:
+            table = list(chunk.block_table)
+            state, slot = self.cache.new_sequence(table, chunk.start)
+            seq = self._seqs[chunk.request_id] = _Seq(state, slot, table)
+        else:
+            seq.table.extend(chunk.block_table[len(seq.table):])
+        return seq.state
+
+    @staticmethod
+    def _known_ids(chunk: ChunkInput) -> list[int]:
+        return [0 if t == PLACEHOLDER else t for t in chunk.token_ids]
+
+    def _fill_placeholders(self, batch, chunks):
+        where = [(c_offset.offset + j, c.request_id) for c, c_offset in zip(chunks, batch.chunks)
+                 for j, t in enumerate(c.token_ids) if t == PLACEHOLDER]
+        if not where:
+            return batch
+        if self._prev is None:
+            raise RuntimeError("a step holds placeholder tokens but no step before it sampled any")
+        tokens, row_of = self._prev
+        positions = torch.tensor([p for p, _ in where], device=self.device)
+        sources = torch.tensor([row_of[r] for _, r in where], device=self.device)
+        batch.token_ids[positions] = tokens[sources]
+        return batch
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:
+        blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]
         if blocked:
             r, t = zip(*blocked)
-            sample_logits = suppress_tokens(sample_logits, torch.tensor(r), torch.tensor(t))
-        p = [w.params for w in work]
-        tokens = self.backend.sample(
-            sample_logits,
-            torch.tensor([x.temperature for x in p], device=self.device),
-            torch.tensor([x.top_k for x in p], device=self.device),
-            torch.tensor([x.top_p for x in p], device=self.device),
-            torch.tensor([x.min_p for x in p], device=self.device),
-            torch.tensor([w.seed for w in work], dtype=torch.long, device=self.device),
-            torch.tensor([w.start + len(w.token_ids) for w in work], dtype=torch.long, device=self.device),
-        )
-        results = [SeqResult() for _ in work]
-        want = [i for i, w in enumerate(work) if w.sample and w.params.logprobs is not None]
-        host_tokens = tokens.tolist()  # the step's one planned device-to-host copy
-        for i, w in enumerate(work):
-            if w.sample:
-                results[i].token_id = host_tokens[i]
-        if want:
-            k = max(work[i].params.logprobs for i in want)
-            lp = compute_logprobs(logits[last[want]])
-            values, ids, ranks = top_logprobs(lp, tokens[want], k)
-            for row, i in enumerate(want):
-                n = work[i].params.logprobs + 1
-                results[i].logprobs = make_logprob_dict(ids[row, :n].tolist(), values[row, :n].tolist(),
-                                                        [int(ranks[row])] + list(range(1, n)), self.decode)
-                results[i].logprob = float(values[row, 0])
-        self._prompt_logprobs(work, rows, logits, results)
-        return results
+            logits = suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
+        p = [c.params for c in chunks]
 
-    def _prompt_logprobs(self, work, rows, logits, results) -> None:
+        def col(values, dtype=None):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return self.backend.sample(
+            logits, col([x.temperature for x in p]), col([x.top_k for x in p]), col([x.top_p for x in p]),
+            col([x.min_p for x in p]), col([c.seed for c in chunks], torch.long),
+            col([c.start + len(c.token_ids) for c in chunks], torch.long),
+        )
+
+    def _logprobs(self, logits, tokens, chunks: list[ChunkInput], out: StepOutput) -> None:
+        want = [i for i, c in enumerate(chunks) if c.params.logprobs is not None]
+        if not want:
+            return
+        k = max(chunks[i].params.logprobs for i in want)
+        values, ids, ranks = top_logprobs(compute_logprobs(logits[want]), tokens[want], k)
+        for row, i in enumerate(want):
+            n = chunks[i].params.logprobs + 1
+            rid = chunks[i].request_id
+            out.logprobs[rid] = make_logprob_dict(ids[row, :n].tolist(), values[row, :n].tolist(),
+                                                  [int(ranks[row])] + list(range(1, n)), self.decode)
+            out.sampled_logprobs[rid] = float(values[row, 0])
+
+    def _prompt_logprobs(self, logits, rows, chunks: tuple[ChunkInput, ...], out: StepOutput) -> None:
         offset = 0
-        for i, w in enumerate(work):
-            n = len(rows[i])
-            if w.prompt_targets is not None:
-                targets = [t for t in w.prompt_targets if t is not None]
-                if targets:
-                    k = w.params.prompt_logprobs or 0
-                    lp = compute_logprobs(logits[offset : offset + len(targets)])
-                    values, ids, ranks = top_logprobs(lp, torch.tensor(targets, device=self.device), k)
-                    for r in range(len(targets)):
-                        results[i].prompt_logprobs.append(make_logprob_dict(
-                            ids[r].tolist(), values[r].tolist(), [int(ranks[r])] + list(range(1, k + 1)), self.decode))
-            offset += n
+        for chunk, r in zip(chunks, rows):
+            if chunk.prompt_targets:
+                n, k = len(chunk.prompt_targets), chunk.params.prompt_logprobs or 0
+                targets = torch.tensor(chunk.prompt_targets, device=self.device)
+                values, ids, ranks = top_logprobs(compute_logprobs(logits[offset : offset + n]), targets, k)
+                out.prompt_logprobs[chunk.request_id] = [
+                    make_logprob_dict(ids[j].tolist(), values[j].tolist(), [int(ranks[j])] + list(range(1, k + 1)),
+                                      self.decode)
+                    for j in range(n)
+                ]
+            offset += len(r)

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from deepserve.core.interfaces import PLACEHOLDER
 from deepserve.core.kv.manager import KVCacheManager
 from deepserve.core.outputs import FinishReason
 from deepserve.core.request import Request, RequestStatus
@@ -28,7 +29,6 @@ from deepserve.core.scheduler.cost_model import Chunk, StepCostModel
 from deepserve.core.stop_checker import check_stop
 
 
-PLACEHOLDER = -1  # a token id the model runner takes from the previous step's samples
 
 
 @dataclass(frozen=True, slots=True)
