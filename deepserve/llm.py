@@ -101,6 +101,7 @@ class LLM:
                                  enable_prefix_caching=enable_prefix_caching, make_detokenizer=detok,
                                  cost_model=self.cost_model, async_scheduling=async_scheduling, seed=seed)
         self._ids = itertools.count()
+        self.async_owner = None  # set by AsyncEngine.from_pretrained: the engine thread then owns the core
         logger.info("deepserve: %s on %s (%s), max_model_len %d", model, self.backend.device, self.backend.name,
                     self.max_model_len)
 
@@ -120,6 +121,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        if self.async_owner is not None:
+            raise RuntimeError("this LLM's engine is driven by an AsyncEngine; use AsyncEngine.generate")
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

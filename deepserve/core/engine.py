@@ -80,7 +80,9 @@ class EngineCore:
         return [self._trackers.pop(r.request_id).output() for r in self.scheduler.abort(list(request_ids))]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """True until every request is done *and* the runner has dropped their state."""
+        s = self.scheduler
+        return s.has_unfinished_requests() or s.has_unreported_finishes or self._in_flight is not None
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

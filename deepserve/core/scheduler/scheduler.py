@@ -118,6 +118,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_unreported_finishes(self) -> bool:
+        """Requests finished since the last `schedule()`, whose runner state the next step output frees."""
+        return bool(self._finished_ids)
+
     def add_request(self, request: Request) -> None:
         """Queue a new request. Its prompt must leave room for at least one output token in `max_model_len`."""
         if request.request_id in self.requests:

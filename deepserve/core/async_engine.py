@@ -1,0 +1,187 @@
+"""The asyncio seam: `AsyncEngine` runs the synchronous `EngineCore` on its own thread and streams each
+request's outputs to the coroutine that asked for them.
+
+- Commands (add, abort) cross to the engine thread through a thread-safe queue, drained between steps.
+- The engine thread posts each step's outputs to the event loop; one task fans them out into per-request
+  `asyncio.Queue`s.
+- Cancelling a consumer (a client that disconnects) aborts its request: the abort is drained before the next
+  step, so its pages are free within one step.
+This is the only module in `deepserve.core` that knows about asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from deepserve.core.engine import EngineCore
+from deepserve.core.outputs import RequestOutput
+from deepserve.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; every open stream receives this, with the original error as its cause."""
+
+
+class AsyncEngine:
+    """`async for out in engine.generate(ids, params): ...`; call `start()` first and `shutdown()` last."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._outputs: asyncio.Queue | None = None
+        self._fanout: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **llm_kwargs: Any) -> AsyncEngine:
+        """Build the engine the way `LLM` does (same options) and wrap it."""
+        from deepserve.llm import LLM
+
+        llm = LLM(model, **llm_kwargs)
+        engine = cls(llm.engine)
+        engine.llm = llm  # keeps the tokenizer and model reachable for callers
+        llm.async_owner = engine
+        return engine
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._outputs = asyncio.Queue()
+        self._fanout = asyncio.create_task(self._fan_out(), name="deepserve-fanout")
+        self._thread = threading.Thread(target=self._run, name="deepserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort what is running, stop the engine thread and the fan-out task."""
+        if self._thread is None:
+            return
+        self._commands.put(("abort", list(self._streams)))
+        self._commands.put((_STOP, None))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        if self._fanout is not None:
+            self._outputs.put_nowait(None)
+            await self._fanout
+        self.engine.shutdown()
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+        prompt: str | None = None, cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative snapshots) until it finishes. Closing or cancelling the
+        iterator aborts the request."""
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine.start() has not been called")
+        if self._dead is not None:
+            raise EngineDeadError("the engine thread has stopped") from self._dead
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already streaming")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt)))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", [request_id]))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", [request_id]))
+
+    # -- engine thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._post(outputs)
+        except BaseException as exc:  # noqa: BLE001 - reported to every stream, then the thread ends
+            logger.exception("deepserve engine thread failed")
+            self._dead = exc
+            self._post(exc)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply pending commands; wait for one when idle. False once asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = command
+            if kind is _STOP:
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
+                return False
+            if kind == "add":
+                request_id, ids, params, prompt, salt = payload
+                try:
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt)
+                except ValueError as exc:
+                    self._post([(request_id, exc)])
+            elif kind == "abort":
+                aborted = self.engine.abort(payload)
+                if aborted:
+                    self._post(aborted)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _post(self, items) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._outputs.put_nowait, items)
+
+    # -- event loop ------------------------------------------------------------------------------------------
+    async def _fan_out(self) -> None:
+        while True:
+            items = await self._outputs.get()
+            if items is None:
+                return
+            if isinstance(items, BaseException):
+                error = EngineDeadError("the engine thread failed")
+                error.__cause__ = items
+                for stream in self._streams.values():
+                    stream.put_nowait(error)
+                continue
+            for item in items:
+                if isinstance(item, tuple):  # (request_id, error) for a request the engine refused
+                    request_id, payload = item
+                else:
+                    request_id, payload = item.request_id, item
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(payload)

@@ -1,0 +1,91 @@
+"""AsyncEngine: the engine on its own thread, outputs streamed per request, cancellation becomes an abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deepserve import LLM, AsyncEngine, SamplingParams
+
+
+@pytest.fixture
+async def engine(tiny_dir):
+    eng = AsyncEngine.from_pretrained(tiny_dir, dtype="float32", accelerator="cpu", block_size=128)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def prompts():
+    return [[(7 * i + j) % 500 + 2 for j in range(n)] for i, n in enumerate((5, 40, 130, 17))]
+
+
+async def collect(engine, ids, params, request_id=None):
+    outs = [o async for o in engine.generate(ids, params, request_id=request_id)]
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    return outs
+
+
+async def test_concurrent_streams_match_offline_generation(engine, tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = await asyncio.gather(*(collect(engine, p, params) for p in prompts()))
+    with pytest.raises(RuntimeError, match="AsyncEngine"):
+        engine.llm.generate([[5]], params)  # one driver per engine core
+    offline = LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=128).generate(
+        [{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    assert [r[-1].outputs[0].token_ids for r in results] == [o.outputs[0].token_ids for o in offline]
+    # snapshots are cumulative: each one extends the previous
+    for outs in results:
+        ids = [o.outputs[0].token_ids for o in outs]
+        assert all(a == b[: len(a)] for a, b in zip(ids, ids[1:]))
+
+
+async def test_cancelled_stream_aborts_and_frees_pages(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def consume():
+        async for _ in engine.generate(prompts()[2], params, request_id="gone"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    kv = engine.llm.kv_manager
+    for _ in range(200):  # the abort is drained before the next step
+        if not engine.engine.has_unfinished_requests() and kv.num_free_blocks == kv.pool.num_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert kv.num_free_blocks == kv.pool.num_blocks and engine.num_open_streams == 0
+    assert engine.llm.runner.num_active_sequences == 0
+    # and the engine keeps serving
+    outs = await collect(engine, prompts()[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(outs[-1].outputs[0].token_ids) == 3
+
+
+async def test_bad_request_raises_in_the_caller_only(engine):
+    too_long = list(range(2, 500)) * 200
+    with pytest.raises(ValueError, match="max_model_len"):
+        await collect(engine, too_long, SamplingParams(max_tokens=2))
+    outs = await collect(engine, prompts()[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+async def test_explicit_abort_reports_the_abort(engine):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    stream = engine.generate(prompts()[3], params, request_id="stop-me")
+    first = await stream.__anext__()
+    engine.abort("stop-me")
+    last = first
+    async for out in stream:
+        last = out
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+
+
+async def test_generate_before_start_is_an_error(tiny_dir):
+    eng = AsyncEngine.from_pretrained(tiny_dir, dtype="float32", accelerator="cpu", block_size=128)
+    with pytest.raises(RuntimeError, match="start"):
+        async for _ in eng.generate([5], SamplingParams()):
+            pass
