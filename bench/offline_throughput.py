@@ -32,7 +32,7 @@ SIZES = {
     "tiny": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, q_lora_rank=32,
                  o_lora_rank=16),
     "small": dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=8, head_dim=64, q_lora_rank=128,
-                  o_lora_rank=64, vocab_size=4096),
+                  o_lora_rank=64, vocab_size=4096, index_head_dim=64),
 }
 
 

@@ -342,3 +342,16 @@ def test_out_of_pages_preempts_the_newest_running_request():
     run = serve(make_scheduler(num_blocks=3), fresh)  # the same pair served to the end, preemption included
     assert_all_match_reference(run, fresh)
     assert run.scheduler.num_preemptions > 0
+
+
+def test_a_request_that_finishes_in_its_first_step_leaves_its_prompt_cached():
+    scheduler = make_scheduler()
+    prompt = list(range(1, 301))
+    first = Request("first", prompt, SamplingParams(max_tokens=1))
+    scheduler.add_request(first)
+    out = scheduler.schedule()
+    assert scheduler.update_from_output(out, {"first": 3}) == [first]
+    second = Request("second", prompt + [7], SamplingParams(max_tokens=1))
+    scheduler.add_request(second)
+    scheduler.schedule()
+    assert second.num_cached_tokens == 256

@@ -151,6 +151,9 @@ class ModelConfig:
             raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (DeepSeek-V4 uses 'sqrtsoftplus')")
         if self.n_shared_experts != 1:
             raise ConfigError(f"n_shared_experts must be 1 for DeepSeek-V4, got {self.n_shared_experts}")
+        if CSA in self.layer_types and self.qk_rope_head_dim > self.index_head_dim:
+            raise ConfigError(f"qk_rope_head_dim {self.qk_rope_head_dim} exceeds index_head_dim {self.index_head_dim}: "
+                              "the indexer rotates the last qk_rope_head_dim dims of its keys")
         for kind in (CSA, HCA):
             if kind in self.layer_types and self.compress_rates.get(kind, 0) <= 0:
                 raise ConfigError(f"compress_rates[{kind!r}] must be a positive integer")

@@ -186,14 +186,15 @@ class Scheduler:
         finished = []
         for chunk in sched_out.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or not chunk.samples:
+            if request is None:
                 continue
-            request.num_pending_tokens -= 1
-            done = self._append_token(request, sampled[chunk.request_id])
-            if request.status is RequestStatus.RUNNING:
+            if request.status is RequestStatus.RUNNING:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
-            if done:
+            if not chunk.samples:
+                continue
+            request.num_pending_tokens -= 1
+            if self._append_token(request, sampled[chunk.request_id]):
                 if request in self.running:
                     self.running.remove(request)
                 else:  # preempted after this step was planned: it waits for recompute
