@@ -1,11 +1,17 @@
-"""The `deepserve` command: `deepserve generate` (offline generation) and `deepserve plugins` (what is loaded).
-`deepserve serve` arrives with the server issue."""
+"""The `deepserve` command: `deepserve serve` (the HTTP server), `deepserve generate` (offline generation) and
+`deepserve plugins` (what is loaded)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+from pathlib import Path
+
+#: the embedded default model `serve` uses when no model is named (its own issue builds it)
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "deepserve-tiny-v4"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -21,6 +27,72 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_model() -> str:
+    """The model `serve` uses when none is named: $DEEPSERVE_MODEL, else the embedded default model."""
+    from deepserve.core.env import env_value
+
+    named = env_value("DEEPSERVE_MODEL")
+    if named:
+        return named
+    if (EMBEDDED_MODEL / "config.json").is_file():
+        return str(EMBEDDED_MODEL)
+    raise ValueError("no model given and the embedded default model is not installed: pass a checkpoint directory "
+                     "(deepserve serve MODEL_DIR) or set DEEPSERVE_MODEL; `python -m deepserve.tools.demo_checkpoint "
+                     "DIR` writes a small random one")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deepserve.server import ServerConfig, run_server
+
+    model = args.model or default_model()
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"model directory {model} does not exist")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
+    engine_kwargs = dict(dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    if args.kv_cache_bytes is not None:
+        engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
+    config = ServerConfig(model=model, served_model_name=args.served_model_name,
+                          api_key=args.api_key or os.environ.get("DEEPSERVE_API_KEY") or None,
+                          max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+                          drain_timeout=args.drain_timeout, default_thinking_mode=args.thinking == "on",
+                          engine_kwargs=engine_kwargs)
+    run_server(config, args.host, args.port)
+    return 0
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP APIs (aiohttp on uvloop)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint directory (default: $DEEPSERVE_MODEL, else the embedded default model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this key on /v1 routes (default: $DEEPSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send (default: the directory's)")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="requests the engine runs at once")
+    serve.add_argument("--max-waiting-requests", type=int, default=128,
+                       help="requests that may wait beyond --max-num-seqs; more get 429")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    serve.add_argument("--block-size", type=int, default=256, help="KV cache page size in tokens")
+    serve.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default: CPU 512 MiB, "
+                       "GPU --gpu-memory-utilization)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--thinking", choices=["on", "off"], default="on",
+                       help="thinking mode for chat requests that do not choose (deepseek-recipe's default: on)")
+    serve.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on shutdown")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from deepserve.core.plugins import list_plugins, make_plugin_manager
 
@@ -33,6 +105,7 @@ def _plugins(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description="Inference server for DeepSeek-V4 models")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="generate completions for prompts, one JSON line each")
     gen.add_argument("prompt", nargs="+", help="prompt text (one or more)")
     gen.add_argument("--model", default=None, help="checkpoint directory (default: $DEEPSERVE_MODEL)")

@@ -1,0 +1,98 @@
+"""The app factory: routes, middlewares, plugin routes, and the engine's life in one `cleanup_ctx`.
+
+`create_app(config)` builds the app without touching the model; the engine is loaded, started and stopped
+by `_engine_context` when the app starts and cleans up. Shutdown first drains: new requests get 503 while the
+in-flight ones run to completion (up to `drain_timeout`), then the engine stops and aborts whatever is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import pluggy
+from aiohttp import web
+
+from deepserve.core.async_engine import AsyncEngine
+from deepserve.core.plugins import collect_registrations, make_plugin_manager
+from deepserve.server.config import ServerConfig
+from deepserve.server.errors import auth_middleware, error_middleware
+from deepserve.server.metrics import ServerMetrics
+from deepserve.server.recipe import RecipeCodec
+from deepserve.server.routes import add_routes
+from deepserve.server.state import (ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, Admission,
+                                    ModelInfo)
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], AsyncEngine]
+
+
+def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | None = None,
+               engine_factory: EngineFactory | None = None) -> web.Application:
+    """The deepserve app for `config`. Routes from `deepserve_register_routes` plugins are added now (each
+    factory is called with this app); `engine_factory` (default: `AsyncEngine.from_pretrained(config.model,
+    **config.engine_kwargs)`) runs in a thread when the app starts."""
+    middlewares = [error_middleware] + ([auth_middleware(config.api_key)] if config.api_key else [])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[CONFIG] = config
+    app[METRICS] = ServerMetrics()
+    app[PLUGIN_ROUTES] = []
+    add_routes(app)
+    _add_plugin_routes(app, plugin_manager if plugin_manager is not None else make_plugin_manager())
+    factory = engine_factory or (lambda: AsyncEngine.from_pretrained(config.model, **config.engine_kwargs))
+    app.cleanup_ctx.append(_engine_context(factory))
+    app.on_shutdown.append(_drain)
+    return app
+
+
+def _route_keys(app: web.Application) -> set[tuple[str, str]]:
+    return {(route.method, route.resource.canonical) for route in app.router.routes() if route.resource}
+
+
+def _add_plugin_routes(app: web.Application, pm: pluggy.PluginManager) -> None:
+    for name, factory in collect_registrations(pm, "deepserve_register_routes").items():
+        before = _route_keys(app)
+        factory(app)
+        app[PLUGIN_ROUTES].extend((name, method, path) for method, path in sorted(_route_keys(app) - before))
+
+
+def _engine_context(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def engine_context(app: web.Application) -> AsyncIterator[None]:
+        config = app[CONFIG]
+        engine = await asyncio.to_thread(factory)
+        await engine.start()
+        try:
+            app[ENGINE] = engine
+            app[MODEL] = ModelInfo.from_engine(engine, config)
+            app[RECIPE] = RecipeCodec(config.model, config.model_name, config.default_thinking_mode)
+            if app[RECIPE].unavailable:
+                logger.warning("deepserve: chat endpoints disabled: %s", app[RECIPE].unavailable)
+            capacity = engine.engine.scheduler.max_num_seqs + config.max_waiting_requests
+            app[ADMISSION] = Admission(capacity, config.retry_after_seconds)
+            app[METRICS].engine, app[METRICS].admission = engine, app[ADMISSION]
+            logger.info("deepserve: serving %s as '%s' (context %d tokens, at most %d open requests)",
+                        config.model, config.model_name, app[MODEL].max_model_len, capacity)
+            yield
+        finally:
+            await engine.shutdown()
+
+    return engine_context
+
+
+async def _drain(app: web.Application) -> None:
+    admission = app.get(ADMISSION)
+    if admission is None:
+        return
+    if not await admission.drain(app[CONFIG].drain_timeout):
+        logger.warning("deepserve: %d requests still open after %.0f s; stopping the engine aborts them",
+                       admission.num_open, app[CONFIG].drain_timeout)
+
+
+def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until SIGINT/SIGTERM on uvloop; handlers are cancelled when their client disconnects."""
+    import uvloop
+
+    web.run_app(create_app(config), host=host, port=port, loop=uvloop.new_event_loop(), handler_cancellation=True,
+                shutdown_timeout=5.0)

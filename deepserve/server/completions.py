@@ -1,0 +1,196 @@
+"""`POST /v1/completions`: OpenAI's legacy text completions, with plain tokenization (no chat template).
+
+deepseek-recipe has no legacy-completions protocol, so this module parses the body itself; the engine applies
+stop strings and detokenizes, and streams hold back a tail that could still become a stop string. Field names
+beyond OpenAI's (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`) are vLLM's. An unknown field is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from deepserve.core.async_engine import EngineDeadError
+from deepserve.core.outputs import CompletionOutput, RequestOutput
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.core.stop_checker import hold_back_length
+from deepserve.server.errors import ApiError, error_body, sampling_error
+from deepserve.server.http import check_text, json_type, open_sse, sse_message
+from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+def _is_not(value: int) -> Callable[[Any], bool]:
+    """True unless the field is absent or the number `value` (a JSON boolean is not a number)."""
+    return lambda v: v is not None and not (type(v) in (int, float) and v == value)
+
+
+_UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1), "logit_bias": bool,
+                "presence_penalty": _is_not(0), "frequency_penalty": _is_not(0)}
+KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
+                          "user", *_SAMPLING_FIELDS, *_UNSUPPORTED})
+MAX_LOGPROBS = 20
+
+
+def parse_completion(body: dict[str, Any], model: ModelInfo) -> tuple[str | None, list[int], SamplingParams]:
+    """Validate a completions body: (prompt text, prompt ids, sampling parameters). Raises 400 `ApiError`s."""
+    for name in body:
+        if name not in KNOWN_FIELDS:
+            raise ApiError(400, f"unrecognized field '{name}'", param=name, code="unknown_field")
+    for name, is_set in _UNSUPPORTED.items():
+        if is_set(body.get(name)):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
+    _check_type(body, "stream", bool)
+    _check_type(body, "echo", bool)
+    _check_type(body, "stream_options", dict)
+    _check_type(body, "stop_token_ids", list)
+    _check_type(body, "user", str)
+    if body.get("stream_options") is not None:
+        if not body.get("stream"):
+            raise ApiError(400, "'stream_options' is only allowed with stream: true", param="stream_options")
+        _check_type(body["stream_options"], "include_usage", bool, "stream_options.include_usage")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}",
+                       param="logprobs")
+    if logprobs is not None and body.get("echo"):
+        raise ApiError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo")
+    text, ids = _prompt(body.get("prompt"), model)
+    max_tokens = body.get("max_tokens", 16)
+    if type(max_tokens) is int and len(ids) + max_tokens > model.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                       f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                       "completion).", param="max_tokens", code="context_length_exceeded")
+    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    try:
+        params = SamplingParams(n=body.get("n") if body.get("n") is not None else 1, max_tokens=max_tokens,
+                                logprobs=logprobs, **fields)
+    except (ValueError, TypeError) as exc:
+        raise sampling_error(exc) from None
+    if params.stop and model.tokenizer is None:
+        raise ApiError(400, "'stop' needs a tokenizer and this model has none", param="stop")
+    return text, ids, model.fit_params(params)
+
+
+def _check_type(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        expected = {bool: "a boolean", dict: "an object", list: "an array", str: "a string"}[kind]
+        raise ApiError(400, f"'{label or name}' must be {expected}, got {json_type(value)}", param=label or name)
+
+
+def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids", param="prompt")
+        text, ids = prompt, model.tokenizer.encode(check_text(prompt, "prompt"))
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        text, ids = None, list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "'prompt' with several prompts is not supported: send one request per prompt",
+                       param="prompt", code="unsupported")
+    else:
+        raise ApiError(400, f"'prompt' must be a string or an array of token ids, got {json_type(prompt)}",
+                       param="prompt")
+    model.check_prompt(ids, param="prompt")
+    return text, ids
+
+
+async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    model, engine = request.app[MODEL], request.app[ENGINE]
+    text, ids, params = parse_completion(body, model)
+    stream, echo = bool(body.get("stream")), bool(body.get("echo"))
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model.name}
+    prefix = (text if text is not None else model.tokenizer.decode(ids) if model.tokenizer else "") if echo else ""
+    timer, reason = request.app[METRICS].timer(), "abort"  # unless it ends normally: the client left
+    sse, sent_chars, sent_tokens, final = None, 0, 0, None
+    try:
+        async with contextlib.aclosing(engine.generate(ids, params, request_id=head["id"], prompt=text)) as outs:
+            async for out in outs:
+                completion, final = out.outputs[0], out
+                timer.tokens(len(completion.token_ids) - sent_tokens)
+                if not stream:
+                    sent_tokens = len(completion.token_ids)
+                    continue
+                if sse is None:
+                    sse = await open_sse(request)
+                end = len(completion.text)
+                if not out.finished and params.stop and not params.include_stop_str_in_output:
+                    end -= hold_back_length(completion.text, params.stop)
+                delta = (prefix if sent_tokens == 0 and sent_chars == 0 else "") + completion.text[sent_chars:end]
+                logprobs = _logprobs(completion, sent_tokens, model, params) if params.logprobs is not None else None
+                choice = {"text": delta, "index": 0, "logprobs": logprobs,
+                          "finish_reason": _finish(completion) if out.finished else None}
+                chunk = {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+                await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
+                sent_chars, sent_tokens = max(sent_chars, end), len(completion.token_ids)
+    except EngineDeadError:
+        reason = "error"
+        raise ApiError(503, "the engine has stopped; the server needs a restart") from None
+    except ValueError as exc:  # the engine refused the request
+        reason = "error"
+        raise ApiError(400, str(exc)) from None
+    finally:
+        timer.finish(_finish(final.outputs[0]) if final is not None and final.finished else reason)
+    completion = final.outputs[0]
+    if completion.finish_reason == "abort":
+        if sse is None:
+            raise ApiError(503, "the request was aborted: the server is shutting down")
+        await sse.write(sse_message(json.dumps(error_body(request.path, 503, "the request was aborted"))))
+        return sse
+    usage = _usage(final)
+    if sse is None:
+        choice = {"text": prefix + completion.text, "index": 0, "finish_reason": _finish(completion),
+                  "logprobs": _logprobs(completion, 0, model, params) if params.logprobs is not None else None}
+        return web.json_response({**head, "choices": [choice], "usage": usage})
+    if include_usage:
+        await sse.write(sse_message(json.dumps({**head, "choices": [], "usage": usage})))
+    await sse.write(sse_message("[DONE]"))
+    await sse.write_eof()
+    return sse
+
+
+def _finish(completion: CompletionOutput) -> str:
+    return completion.finish_reason or "abort"
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    prompt, generated = len(out.prompt_token_ids or ()), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _logprobs(completion: CompletionOutput, start: int, model: ModelInfo, params: SamplingParams) -> dict | None:
+    """OpenAI's legacy logprobs object for output tokens [start, end): tokens, their logprobs, the top ones."""
+    entries = completion.logprobs or []
+    tokens, token_logprobs, top = [], [], []
+    for position in range(start, min(len(completion.token_ids), len(entries))):
+        token_id, entry = completion.token_ids[position], entries[position]
+        tokens.append(_token_text(token_id, entry, model))
+        token_logprobs.append(entry[token_id].logprob)
+        ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
+        top.append({_token_text(t, entry, model): lp.logprob for t, lp in ranked[: params.logprobs]})
+    offset = len(model.tokenizer.decode(completion.token_ids[:start], False)) if start and model.tokenizer else 0
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _token_text(token_id: int, entry: dict, model: ModelInfo) -> str:
+    decoded = entry[token_id].decoded_token
+    if decoded is not None:
+        return decoded
+    return model.tokenizer.decode([token_id], skip_special_tokens=False) if model.tokenizer else f"<{token_id}>"

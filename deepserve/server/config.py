@@ -1,0 +1,52 @@
+"""`ServerConfig`: everything `deepserve serve` decides before the app is built, validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Options of one server.
+
+    `model` is the checkpoint directory; `engine_kwargs` go to `AsyncEngine.from_pretrained` unchanged (dtype,
+    accelerator, max_model_len, max_num_seqs, ...). At most `max_num_seqs + max_waiting_requests` generation
+    requests are open at once; one more gets 429 with `Retry-After`. `api_key` (when set) guards every `/v1/`
+    route. A body over `max_body_bytes` gets 413. On shutdown, in-flight requests get `drain_timeout` seconds to
+    finish before they are aborted. `default_thinking_mode` is deepseek-recipe's default for requests that do
+    not say (DeepSeek's API default is on).
+    """
+
+    model: str
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting_requests: int = 128
+    max_body_bytes: int = 16 * 2**20
+    drain_timeout: float = 30.0
+    retry_after_seconds: int = 1
+    default_thinking_mode: bool = True
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be blank")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.retry_after_seconds < 1:
+            raise ValueError(f"retry_after_seconds must be >= 1, got {self.retry_after_seconds}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send as `model`: `served_model_name`, else the directory's name."""
+        return self.served_model_name or Path(self.model).resolve().name

@@ -1,0 +1,156 @@
+"""One recipe-protocol request through the engine: outputs -> deepseek-recipe's stream processor -> the client,
+as server-sent events (`stream: true`) or as one accumulated JSON response.
+
+The SSE response starts with the first output, so anything the engine refuses before that is still a plain
+JSON error. Leaving early (a stop sequence ended the text, the client disconnected, the handler was cancelled)
+closes the engine stream, which aborts the request and frees its pages within one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+
+import deepseek_recipe as dr
+from aiohttp import web
+
+from deepserve.core.async_engine import EngineDeadError
+from deepserve.core.outputs import PositionLogprobs, RequestOutput
+from deepserve.server.errors import ERROR_TYPES, ApiError, error_body
+from deepserve.server.http import open_sse, sse_message
+from deepserve.server.metrics import RequestTimer
+from deepserve.server.recipe import RESPONSES, Prepared
+from deepserve.server.state import ENGINE, METRICS, MODEL
+
+_FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
+
+
+async def serve_prepared(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+    timer = request.app[METRICS].timer()
+    reason = "abort"  # unless the request ends normally: the client left or the handler was cancelled
+    try:
+        response, reason = await _run(request, prepared, _Translator(prepared, request.app[MODEL].eos_token_ids, timer))
+        return response
+    except ApiError:
+        reason = "error"
+        raise
+    finally:
+        timer.finish(reason)
+
+
+class _Translator:
+    """Engine outputs (cumulative snapshots) -> the new tokens -> the processor's protocol events."""
+
+    def __init__(self, prepared: Prepared, eos_token_ids: Sequence[int], timer: RequestTimer) -> None:
+        self.processor, self.params = prepared.processor, prepared.params
+        self.eos_token_ids, self.timer = eos_token_ids, timer
+        self.num_prompt_tokens = len(prepared.prompt_token_ids)
+        self.num_sent = 0
+        self.reason = "stop"
+
+    def first(self, out: RequestOutput) -> list:
+        usage = dr.PromptUsage(prompt_tokens=self.num_prompt_tokens, prompt_cache_hit_tokens=out.num_cached_tokens)
+        return self.processor.push(dr.InferenceChunk.ready(prompt_usage=usage))
+
+    def events(self, out: RequestOutput) -> list:
+        completion, events = out.outputs[0], []
+        end = _num_text_tokens(out, self.eos_token_ids)
+        if end > self.num_sent:
+            logprobs = _logprobs(completion.token_ids, completion.logprobs, self.num_sent, end, self.params.logprobs)
+            events += self.processor.push(dr.InferenceChunk.tokens(completion.token_ids[self.num_sent:end], logprobs))
+            self.timer.tokens(end - self.num_sent)
+            self.num_sent = end
+        if out.finished and not self.processor.finished:
+            if completion.finish_reason not in _FINISH:
+                raise ApiError(503, "the request was aborted: the server is shutting down")
+            self.reason = completion.finish_reason
+            events += self.processor.push(dr.InferenceChunk.finish(_FINISH[self.reason]))
+            events += self.processor.finish()
+        return events
+
+    @property
+    def done(self) -> bool:
+        """The processor has ended the response (maybe at a stop sequence, before the engine finished)."""
+        return self.processor.finished
+
+
+async def _run(request: web.Request, prepared: Prepared, translator: _Translator) -> tuple[web.StreamResponse, str]:
+    engine, model = request.app[ENGINE], request.app[MODEL]
+    response_type = prepared.protocol.response_type
+    sse: web.StreamResponse | None = None
+    accumulated = None
+    stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id)
+    async with contextlib.aclosing(stream):
+        try:
+            async for out in stream:
+                events = []
+                if sse is None and accumulated is None:
+                    events = translator.first(out)
+                    if prepared.stream:
+                        sse = await open_sse(request)
+                    else:
+                        accumulated = response_type(prepared.request_id, model.name, int(time.time()),
+                                                    translator.num_prompt_tokens, out.num_cached_tokens)
+                events += translator.events(out)
+                if sse is not None:
+                    await sse.write(b"".join(sse_message(e.to_json(), response_type.sse_event_name(e))
+                                             for e in events))
+                else:
+                    for event in events:
+                        accumulated.accumulate(event)
+                if translator.done:
+                    break  # closing the engine stream aborts the request if the engine has not finished it
+        except EngineDeadError:
+            raise ApiError(503, "the engine has stopped; the server needs a restart") from None
+        except ValueError as exc:  # the engine refused the request
+            raise ApiError(400, str(exc)) from None
+        except ApiError as error:
+            if sse is None:
+                raise
+            await sse.write(_stream_error(prepared, error))
+            translator.reason = "error"
+        finally:
+            if not translator.done:
+                prepared.processor.close()
+    if sse is None:
+        return web.Response(text=accumulated.to_json(), content_type="application/json"), translator.reason
+    done = response_type.sse_done_data()
+    if done is not None and translator.reason != "error":
+        await sse.write(sse_message(done))
+    await sse.write_eof()
+    return sse, translator.reason
+
+
+def _num_text_tokens(out: RequestOutput, eos_token_ids: Sequence[int]) -> int:
+    """Output tokens the processor should see: all but a final EOS (it ends the text, it is not part of it)."""
+    completion = out.outputs[0]
+    ids = completion.token_ids
+    if out.finished and completion.finish_reason == "stop" and ids and ids[-1] in eos_token_ids:
+        return len(ids) - 1
+    return len(ids)
+
+
+def _logprobs(token_ids: Sequence[int], entries: list[PositionLogprobs] | None, start: int, end: int,
+              top_n: int | None) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """The recipe's `(logprob, [(token id, logprob) of the top_n most likely])` per token in [start, end)."""
+    if top_n is None or entries is None or len(entries) < end:
+        return None
+    result = []
+    for position in range(start, end):
+        entry = entries[position]
+        ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))[:top_n]
+        result.append((entry[token_ids[position]].logprob, [(tid, lp.logprob) for tid, lp in ranked]))
+    return result
+
+
+def _stream_error(prepared: Prepared, error: ApiError) -> bytes:
+    """An error inside an already started stream, as the protocol spells one."""
+    if prepared.protocol is RESPONSES:
+        data = {"type": "error", "code": ERROR_TYPES.get(error.status, "server_error"), "message": error.message,
+                "param": error.param}
+        return sse_message(json.dumps(data), "error")
+    path = "/v1/messages" if prepared.protocol.name == "messages" else "/v1/chat/completions"
+    body = error_body(path, error.status, error.message, error.param, error.code)
+    return sse_message(json.dumps(body), "error" if prepared.protocol.name == "messages" else None)

@@ -1,0 +1,114 @@
+"""`/metrics`: Prometheus text from a registry owned by the app (never the global one, so apps don't share).
+
+Engine gauges and counters are read at scrape time from the live engine (queue lengths, KV pages, prefix-cache
+and token counters); request latencies (time to first token, inter-token, end to end) and finished requests by
+reason are observed by the handlers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepserve.core.async_engine import AsyncEngine
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: how a request ended, as `deepserve_requests_finished_total{reason=...}` counts it
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The app's registry. `engine` and `num_open` are attached at start-up, when the engine exists."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine: AsyncEngine | None = None
+        self.admission = None  # deepserve.server.state.Admission, once started
+        self.ttft = Histogram("deepserve_time_to_first_token_seconds", "Time from arrival to the first output "
+                              "token", buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("deepserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("deepserve_e2e_request_latency_seconds", "Time from arrival to the last output",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("deepserve_requests_finished", "Finished generation requests by how they ended "
+                                "(abort: the client left or the server stopped it)", ["reason"],
+                                registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        self.registry.register(_EngineCollector(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """One request's latencies: call `tokens(n)` when n new output tokens arrive, `finish(reason)` once."""
+
+    __slots__ = ("metrics", "start", "last", "done")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics, self.start, self.last, self.done = metrics, time.perf_counter(), None, False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+            gaps, span = n - 1, 0.0  # tokens that arrived together with the first one
+        else:
+            gaps, span = n, now - self.last
+        for _ in range(gaps):
+            self.metrics.itl.observe(span / gaps)
+        self.last = now
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.finished.labels(reason if reason in FINISH_REASONS else "error").inc()
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's state at scrape time (plain int and len reads; the engine thread owns the objects)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        admission = self.metrics.admission
+        if admission is not None:
+            yield GaugeMetricFamily("deepserve_num_requests_open", "Generation requests the server has admitted "
+                                    "and not finished", value=admission.num_open)
+            yield CounterMetricFamily("deepserve_requests_rejected", "Requests refused with 429 because the "
+                                      "waiting queue was full", value=admission.num_rejected)
+        engine = self.metrics.engine
+        if engine is None:
+            return
+        core, kv = engine.engine, engine.llm.kv_manager
+        yield GaugeMetricFamily("deepserve_num_requests_running", "Requests the scheduler is running",
+                                value=len(core.scheduler.running))
+        yield GaugeMetricFamily("deepserve_num_requests_waiting", "Requests waiting for the scheduler to admit "
+                                "them", value=len(core.scheduler.waiting))
+        yield GaugeMetricFamily("deepserve_kv_cache_pages_used", "KV cache pages held by requests",
+                                value=kv.pool.num_blocks - kv.num_free_blocks)
+        yield GaugeMetricFamily("deepserve_kv_cache_pages_total", "KV cache pages in the pool",
+                                value=kv.pool.num_blocks)
+        yield CounterMetricFamily("deepserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=kv.num_prefix_queries)
+        yield CounterMetricFamily("deepserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=kv.num_prefix_hits)
+        yield CounterMetricFamily("deepserve_prompt_tokens", "Prompt tokens computed (prefix-cache hits not "
+                                  "included)", value=core.stats.num_prompt_tokens)
+        yield CounterMetricFamily("deepserve_generation_tokens", "Output tokens generated",
+                                  value=core.stats.num_generation_tokens)

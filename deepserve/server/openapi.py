@@ -1,0 +1,190 @@
+"""`/openapi.json`: an OpenAPI 3.1 document built from the live router, so it lists exactly the routes served.
+
+Request schemas say what the server checks itself; the recipe endpoints also accept the rest of their protocol
+(`additionalProperties: true`: deepseek-recipe ignores fields it does not know), `/v1/completions` refuses
+unknown fields. Every operation lists the statuses it can answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from aiohttp import web
+
+from deepserve import __version__
+from deepserve.server.config import ServerConfig
+
+_STR, _INT, _BOOL, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"}
+_OBJ = {"type": "object"}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _object(required: list[str], properties: dict[str, Any], extra: bool = True) -> dict:
+    return {"type": "object", "required": required, "properties": properties, "additionalProperties": extra}
+
+
+_TEXT = {"type": "string", "minLength": 1}
+_STOP = _nullable({"anyOf": [_TEXT, {"type": "array", "items": _TEXT}]})
+# what deepseek-recipe accepts (temperature up to 2, seeds below 2**63) ...
+_SAMPLING = {"temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+             "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+             "top_k": _nullable({"type": "integer", "minimum": -1, "description": "deepserve extension"}),
+             "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+             "stream": _nullable(_BOOL)}
+# ... and what `SamplingParams` accepts, for /v1/completions
+_COMPLETION_SAMPLING = {**_SAMPLING, "temperature": _nullable({"type": "number", "minimum": 0}),
+                        "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1})}
+
+
+def _messages(roles: list[str]) -> dict:
+    return {"type": "array", "minItems": 1, "items": _object(["role"], {"role": {"enum": roles}})}
+
+
+_CHAT_MESSAGES = _messages(["system", "user", "assistant", "tool", "latest_reminder"])
+_USAGE = _object([], {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                      "prompt_tokens_details": _object([], {"cached_tokens": _INT})})
+
+SCHEMAS: dict[str, Any] = {
+    "Error": _object(["error"], {"error": _object(["message", "type"], {
+        "message": _STR, "type": _STR, "param": _nullable(_STR), "code": _nullable(_STR)})}),
+    "AnthropicError": _object(["type", "error"], {
+        "type": {"const": "error"}, "error": _object(["type", "message"], {"type": _STR, "message": _STR})}),
+    "ChatCompletionRequest": _object(["model", "messages"], {
+        "model": _STR, "messages": _CHAT_MESSAGES, **_SAMPLING, "stop": _STOP,
+        "stream_options": _nullable(_object([], {"include_usage": _BOOL})),
+        "max_tokens": _nullable({"type": "integer", "minimum": 1}), "n": _nullable({"const": 1}),
+        "logprobs": _nullable(_BOOL), "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+        "tools": _nullable({"type": "array", "items": _OBJ}), "tool_choice": {},
+        "thinking": _nullable(_object([], {"type": {"enum": ["enabled", "disabled"]}})),
+        "reasoning_effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
+        "response_format": _nullable(_object(["type"], {"type": _STR}, True))}),
+    "ChatCompletion": _object(["id", "object", "created", "model", "choices"], {
+        "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
+        "choices": {"type": "array", "items": _object(["index", "message", "finish_reason"], {
+            "index": _INT, "message": _OBJ, "finish_reason": _nullable(_STR)})}, "usage": _USAGE}),
+    "CompletionRequest": _object(["model", "prompt"], {
+        "model": _STR, "prompt": {"anyOf": [_STR, {"type": "array", "items": _INT, "minItems": 1},
+                                            {"type": "array", "maxItems": 1, "minItems": 1,
+                                             "items": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}]},
+        **_COMPLETION_SAMPLING, "stop": _STOP, "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "n": _nullable({"const": 1}), "echo": _nullable(_BOOL),
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+        "stream_options": _nullable(_object([], {"include_usage": _BOOL})), "user": _nullable(_STR),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0}), "ignore_eos": _nullable(_BOOL),
+        "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+        "skip_special_tokens": _nullable(_BOOL), "include_stop_str_in_output": _nullable(_BOOL),
+        "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), "logit_bias": _nullable({"maxProperties": 0}),
+        "presence_penalty": _nullable({"const": 0}), "frequency_penalty": _nullable({"const": 0})}, extra=False),
+    "Completion": _object(["id", "object", "created", "model", "choices", "usage"], {
+        "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
+        "choices": {"type": "array", "items": _object(["text", "index", "finish_reason"], {
+            "text": _STR, "index": _INT, "finish_reason": _nullable(_STR), "logprobs": _nullable(_OBJ)})},
+        "usage": _USAGE}),
+    "ResponsesRequest": _object(["model"], {
+        "model": _STR, "input": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
+        "instructions": _nullable(_STR), "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "tools": _nullable({"type": "array", "items": _OBJ}), "reasoning": _nullable(_OBJ), "text": _nullable(_OBJ)}),
+    "Response": _object(["id", "object", "status", "model", "output"], {
+        "id": _STR, "object": {"const": "response"}, "status": _STR, "model": _STR,
+        "output": {"type": "array", "items": _OBJ}, "usage": _nullable(_OBJ)}),
+    "MessagesRequest": _object(["model", "messages", "max_tokens"], {
+        "model": _STR, "messages": _messages(["system", "user", "assistant"]),
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "system": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
+        "stop_sequences": _nullable({"type": "array", "items": _STR}), "thinking": _nullable(_OBJ),
+        "tools": _nullable({"type": "array", "items": _OBJ})}),
+    "Message": _object(["id", "type", "role", "content", "model"], {
+        "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
+        "content": {"type": "array", "items": _OBJ}, "stop_reason": _nullable(_STR), "usage": _OBJ}),
+    "Model": _object(["id", "object", "created", "owned_by"], {
+        "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT,
+        "type": {"const": "model"}, "display_name": _STR, "created_at": _STR}),
+    "ModelList": _object(["object", "data"], {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
+        "has_more": _BOOL, "first_id": _STR, "last_id": _STR}),
+    "Health": _object(["status"], {"status": {"enum": ["ok", "draining", "engine stopped"]}}),
+}
+
+_ERRORS = {"400": "invalid JSON, an invalid or unsupported field (named in the error), or a prompt longer than "
+                  "the context", "404": "unknown model",
+           "413": "request body too large", "429": "waiting queue full (see Retry-After)",
+           "503": "shutting down (see Retry-After) or the engine has stopped"}
+
+
+def _json(ref: str) -> dict:
+    return {"schema": {"$ref": f"#/components/schemas/{ref}"}}
+
+
+def _generation(summary: str, request: str, response: str, error: str, stream: str) -> dict:
+    responses = {"200": {"description": f"the result, or with `stream: true` {stream}",
+                         "content": {"application/json": _json(response),
+                                     "text/event-stream": {"schema": _STR}}}}
+    responses.update({code: {"description": text, "content": {"application/json": _json(error)}}
+                      for code, text in _ERRORS.items()})
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": _json(request)}},
+            "responses": responses}
+
+
+OPERATIONS: dict[str, dict] = {
+    "chat": _generation("OpenAI Chat Completions (deepseek-recipe)", "ChatCompletionRequest", "ChatCompletion",
+                        "Error", "`chat.completion.chunk` events ending with `data: [DONE]`"),
+    "completions": _generation("OpenAI text completions, prompt as text or token ids", "CompletionRequest",
+                               "Completion", "Error", "`text_completion` events ending with `data: [DONE]`"),
+    "responses": _generation("OpenAI Responses (deepseek-recipe)", "ResponsesRequest", "Response", "Error",
+                             "named `response.*` events"),
+    "messages": _generation("Anthropic Messages (deepseek-recipe)", "MessagesRequest", "Message", "AnthropicError",
+                            "named Messages events ending with `message_stop`"),
+    "models": {"summary": "The served model", "responses": {
+        "200": {"description": "a list of one model", "content": {"application/json": _json("ModelList")}}}},
+    "model": {"summary": "One model by id", "responses": {
+        "200": {"description": "the model", "content": {"application/json": _json("Model")}},
+        "404": {"description": "unknown model", "content": {"application/json": _json("Error")}}}},
+    "health": {"summary": "Liveness", "responses": {
+        "200": {"description": "serving", "content": {"application/json": _json("Health")}},
+        "503": {"description": "draining or the engine has stopped",
+                "content": {"application/json": _json("Health")}}}},
+    "metrics": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Prometheus text format",
+                                                                       "content": {"text/plain": {"schema": _STR}}}}},
+    "openapi": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3.1",
+                                                                  "content": {"application/json": {"schema": _OBJ}}}}},
+}
+
+
+def _path_parameters(path: str) -> tuple[str, list[dict]]:
+    """aiohttp's `{name}` / `{name:regex}` templates as OpenAPI path templates and parameters."""
+    names = re.findall(r"\{([^}:]+)(?::[^}]*)?\}", path)
+    template = re.sub(r"\{([^}:]+)(?::[^}]*)?\}", r"{\1}", path)
+    return template, [{"name": n, "in": "path", "required": True, "schema": _STR} for n in names]
+
+
+def build_openapi(app: web.Application, config: ServerConfig, routes: tuple, plugin_routes: list) -> dict:
+    """The document for `app`: the built-in `routes` (see `deepserve.server.routes.ROUTES`) and the routes
+    plugins added, each with its statuses; `/v1/` operations carry the API-key requirement when one is set."""
+    paths: dict[str, dict] = {}
+    described = [(r.method, r.path, dict(OPERATIONS[r.operation], operationId=r.operation)) for r in routes]
+    for name, method, path in plugin_routes:
+        summary = f"added by the plugin route '{name}' (deepserve_register_routes)"
+        described.append((method, path, {"summary": summary, "tags": ["plugins"],
+                                         "responses": {"default": {"description": "defined by the plugin"}}}))
+    for method, path, operation in described:
+        template, parameters = _path_parameters(path)
+        if parameters:
+            operation = dict(operation, parameters=parameters)
+        if config.api_key and path.startswith("/v1/"):
+            operation = dict(operation, security=[{"bearer": []}, {"apiKey": []}])
+            operation["responses"] = {**operation["responses"], "401": {
+                "description": "missing or wrong API key", "content": {"application/json": _json(
+                    "AnthropicError" if path.startswith("/v1/messages") else "Error")}}}
+        paths.setdefault(template, {})[method.lower()] = operation
+    components: dict[str, Any] = {"schemas": SCHEMAS}
+    if config.api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                         "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    return {"openapi": "3.1.0", "info": {"title": "deepserve", "version": __version__,
+                                         "description": f"serving {config.model_name}"},
+            "paths": paths, "components": components}

@@ -1,0 +1,178 @@
+"""The three protocols deepseek-recipe speaks: OpenAI Chat Completions, OpenAI Responses, Anthropic Messages.
+
+The recipe parses and converts a request into a conversation, renders and encodes the V4 prompt, resolves
+`max_tokens` against the context, and its stream processor turns output tokens back into protocol chunks
+(reasoning content, tool calls, stop sequences, usage with cached tokens). deepserve adds only what the recipe
+leaves to its caller: which model names it serves, options the engine cannot honour (a 400 that names them),
+the prompt-length check, and the field a parse error is about.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import deepseek_recipe as dr
+
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.server.errors import ApiError, sampling_error
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from deepserve.server.state import ModelInfo
+
+_present: Callable[[Any], bool] = lambda v: v is not None  # noqa: E731
+_nonzero: Callable[[Any], bool] = lambda v: v not in (None, 0, 0.0)  # noqa: E731
+_nonempty: Callable[[Any], bool] = lambda v: bool(v)  # noqa: E731
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    """One protocol: its recipe types, the id prefix of its responses, a minimal valid body (to find which field a
+    parse error is about), where it asks for structured output, and the options the engine cannot honour."""
+
+    name: str
+    request_type: type
+    response_type: type
+    id_prefix: str
+    skeleton: dict[str, Any]
+    constraint_field: str
+    unsupported: dict[str, Callable[[Any], bool]]
+
+
+_MESSAGES = [{"role": "user", "content": "x"}]
+CHAT = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-",
+                {"model": "m", "messages": _MESSAGES}, "response_format",
+                {"frequency_penalty": _nonzero, "presence_penalty": _nonzero, "logit_bias": _nonempty,
+                 "audio": _present, "prediction": _present, "web_search_options": _present,
+                 "modalities": lambda v: v is not None and v != ["text"]})
+RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
+                     {"model": "m", "input": "x"}, "text.format",
+                     {"previous_response_id": _present, "conversation": _present, "prompt": _present,
+                      "background": _nonempty, "frequency_penalty": _nonzero, "presence_penalty": _nonzero})
+MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
+                    {"model": "m", "messages": _MESSAGES, "max_tokens": 1}, "output_format",
+                    {"container": _present, "mcp_servers": _nonempty})
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A converted request, ready for the engine: prompt ids, sampling parameters and its stream processor."""
+
+    protocol: Protocol
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    processor: dr.StreamProcessor
+
+
+class RecipeCodec:
+    """deepseek-recipe set up for the served model: its tokenizer, the V4 prompt encoding, conversion options
+    that accept exactly the served model name. `unavailable` says why chat cannot work with this tokenizer."""
+
+    def __init__(self, model_dir: str, model_name: str, default_thinking_mode: bool) -> None:
+        self.model_name = model_name
+        self.version = dr.ModelVersion.DeepseekV4Pro  # V4.1 checkpoints: DeepseekV41Flash + DeepseekV41Encoding
+        self.options = dr.ConversionOptions(default_thinking_mode=default_thinking_mode) \
+            .with_model_versions_by_name({model_name: self.version})
+        file = Path(model_dir) / "tokenizer.json"
+        self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
+        self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
+        self.unavailable = self._probe()
+
+    def _probe(self) -> str | None:
+        if self.encoding is None:
+            return "this model has no tokenizer.json, so it cannot render chat prompts: use /v1/completions"
+        try:
+            self.encoding.encode(dr.Conversation([dr.UserMessage("x")], thinking_mode=True))
+        except RuntimeError as exc:
+            return f"this model's tokenizer cannot encode V4 chat prompts ({exc}): use /v1/completions"
+        return None
+
+    def prepare(self, protocol: Protocol, raw: bytes, body: dict[str, Any], model: ModelInfo) -> Prepared:
+        """Convert one request body (already checked to name the served model). Raises `ApiError` (4xx)."""
+        if self.unavailable:
+            raise ApiError(400, self.unavailable, code="chat_not_supported")
+        for name, is_set in protocol.unsupported.items():
+            if is_set(body.get(name)):
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
+        request = _recipe(lambda: protocol.request_type(raw), protocol, body)
+        echo = _recipe(request.echo, protocol, body) if protocol is RESPONSES else None
+        tool_map = _recipe(lambda: request.namespace_tool_map(self.options), protocol, body) \
+            if protocol is RESPONSES else None
+        conv = _recipe(lambda: request.convert(self.options), protocol, body)
+        _check_conversation(protocol, conv)
+        ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
+        model.check_prompt(ids)
+        max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)
+        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body.get("top_k")))
+        request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
+        generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
+        if echo is not None:
+            generator = generator.with_echo(echo)
+        if tool_map:
+            generator = generator.with_namespace_tool_map(tool_map)
+        processor = dr.StreamProcessor(generator, conv.parsing_options, self.tokenizer)
+        return Prepared(protocol, request_id, ids, params, conv.stream, processor)
+
+
+def _check_conversation(protocol: Protocol, conv: dr.ConversationRequest) -> None:
+    for message in conv.conversation.messages:
+        for source in message.image_sources:
+            raise ApiError(400, f"image input is not supported: this model has no vision encoder ({source.path})",
+                           param=source.path or "messages", code="unsupported")
+    constraint = conv.inference_options.output_constraint
+    if constraint is not None and constraint.kind in ("json", "regex"):
+        raise ApiError(400, f"'{protocol.constraint_field}' asks for structured output ({constraint.kind}), which "
+                       "this server does not support yet", param=protocol.constraint_field, code="unsupported")
+
+
+def _sampling_params(options: dr.InferenceOptions, max_tokens: int, top_k: Any) -> SamplingParams:
+    logprobs = (options.top_logprobs or 0) if options.logprobs else None
+    try:
+        return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
+                              top_p=1.0 if options.top_p is None else options.top_p,
+                              top_k=0 if top_k is None else top_k, seed=options.seed, max_tokens=max_tokens,
+                              logprobs=logprobs)
+    except ValueError as exc:
+        raise sampling_error(exc) from None
+
+
+def _recipe(call: Callable[[], Any], protocol: Protocol, body: dict[str, Any]) -> Any:
+    """Run one recipe step; its errors become 4xx `ApiError`s (parse errors name the field they are about)."""
+    try:
+        return call()
+    except dr.ConversionError as exc:
+        status = exc.status_code if 400 <= exc.status_code < 500 else 400
+        raise ApiError(status, _conversion_message(exc)) from None
+    except ValueError as exc:  # a body the recipe cannot parse
+        field = _locate_field(protocol, body)
+        detail = str(exc).removeprefix("invalid request body: ")
+        raise ApiError(400, f"invalid '{field}': {detail}" if field else detail, param=field) from None
+    except RuntimeError as exc:  # prompt encoding failed
+        raise ApiError(400, f"cannot encode the prompt: {exc}") from None
+    except BaseException as exc:  # a Rust panic (pyo3's PanicException derives from BaseException)
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ApiError(400, "the request could not be converted (deepseek-recipe rejected it)") from None
+
+
+def _conversion_message(exc: dr.ConversionError) -> str:
+    try:
+        return json.loads(exc.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return str(exc)
+
+
+def _locate_field(protocol: Protocol, body: dict[str, Any], limit: int = 64) -> str | None:
+    """The first top-level field that alone makes a minimal valid body unparseable (serde names no paths)."""
+    for key in list(body)[:limit]:
+        try:
+            protocol.request_type(json.dumps({**protocol.skeleton, key: body[key]}))
+        except Exception:  # noqa: BLE001 - any failure implicates this field
+            return key
+    return None

@@ -1,0 +1,124 @@
+"""What the app keeps between requests, under typed `web.AppKey`s, and the admission gate.
+
+Plugin routes read the same keys: `request.app[ENGINE]` is the running `AsyncEngine`, `request.app[MODEL]` what
+the server knows about the model it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from deepserve.core.async_engine import AsyncEngine
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.server.config import ServerConfig
+from deepserve.server.errors import ApiError
+from deepserve.server.metrics import ServerMetrics
+from deepserve.server.recipe import RecipeCodec
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from deepserve.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model as the HTTP layer sees it."""
+
+    name: str
+    path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Tokenizer | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_engine(cls, engine: AsyncEngine, config: ServerConfig) -> ModelInfo:
+        llm = engine.llm
+        cfg = llm.model.cfg
+        return cls(config.model_name, str(config.model), llm.max_model_len, cfg.vocab_size,
+                   tuple(cfg.eos_token_ids), llm.tokenizer)
+
+    def check_prompt(self, ids: list[int], param: str | None = None) -> None:
+        """400 for a prompt that is empty, holds an id outside the vocabulary, or leaves no room for output."""
+        if not ids:
+            raise ApiError(400, "the prompt is empty: it needs at least one token", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens long but the model's context is "
+                           f"{self.max_model_len} tokens, and at least one is needed for the output", param=param,
+                           code="context_length_exceeded")
+
+    def fit_params(self, params: SamplingParams) -> SamplingParams:
+        """Keep valid sampling parameters inside what the engine's tensors hold (int64): a `top_k` past the
+        vocabulary means "all tokens" (0), a seed of 2**63 or more is the same 64 bits as a signed int64; a
+        stop token id outside the vocabulary can never be sampled (400). The engine thread dies on these today."""
+        if params.top_k > self.vocab_size:
+            params.top_k = 0
+        if params.seed is not None and params.seed >= 2**63:
+            params.seed -= 2**64
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        return params
+
+
+class Admission:
+    """Counts open generation requests. Past `capacity` (the engine's `max_num_seqs` plus the waiting-queue
+    bound) a new one gets 429 with `Retry-After`; once draining for shutdown, 503."""
+
+    def __init__(self, capacity: int, retry_after_seconds: int) -> None:
+        self.capacity, self.retry_after = capacity, str(retry_after_seconds)
+        self.num_open = 0
+        self.num_rejected = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica",
+                           headers={"Retry-After": self.retry_after})
+        if self.num_open >= self.capacity:
+            self.num_rejected += 1
+            raise ApiError(429, f"too many requests: {self.num_open} are open, the limit is {self.capacity} "
+                           "(running plus waiting); retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": self.retry_after})
+        self.num_open += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_open -= 1
+            if self.num_open == 0:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` seconds for the open ones; True when none is left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+CONFIG = web.AppKey("deepserve_config", ServerConfig)
+ENGINE = web.AppKey("deepserve_engine", AsyncEngine)
+MODEL = web.AppKey("deepserve_model", ModelInfo)
+ADMISSION = web.AppKey("deepserve_admission", Admission)
+METRICS = web.AppKey("deepserve_metrics", ServerMetrics)
+RECIPE = web.AppKey("deepserve_recipe", RecipeCodec)
+#: (plugin registration name, method, path) of every route a `deepserve_register_routes` plugin added
+PLUGIN_ROUTES = web.AppKey("deepserve_plugin_routes", list)
