@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ def default_model() -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from deepserve.core.env import env_value
     from deepserve.server import ServerConfig, run_server
 
     model = args.model or default_model()
@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     config = ServerConfig(model=model, served_model_name=args.served_model_name,
-                          api_key=args.api_key or os.environ.get("DEEPSERVE_API_KEY") or None,
+                          api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           drain_timeout=args.drain_timeout, default_thinking_mode=args.thinking == "on",
                           engine_kwargs=engine_kwargs)

@@ -89,3 +89,32 @@ async def test_generate_before_start_is_an_error(tiny_dir):
     with pytest.raises(RuntimeError, match="start"):
         async for _ in eng.generate([5], SamplingParams()):
             pass
+
+
+async def test_request_finished_hook_sees_every_finished_request(tiny_dir):
+    from deepserve.core.hookspecs import hookimpl
+    from deepserve.core.plugins import make_plugin_manager
+
+    seen = []
+
+    class Observer:
+        @hookimpl
+        def deepserve_request_finished(self, request, stats):
+            seen.append((request.request_id, stats))
+
+    eng = AsyncEngine.from_pretrained(tiny_dir, dtype="float32", accelerator="cpu", block_size=128)
+    eng.plugin_manager = make_plugin_manager(load_entrypoints=False, plugins=[Observer()])
+    await eng.start()
+    try:
+        await collect(eng, prompts()[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "done")
+        stream = eng.generate(prompts()[1], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), "left")
+        await stream.__anext__()
+        await stream.aclose()  # the client went away
+    finally:
+        await eng.shutdown()
+    stats = dict(seen)
+    assert set(stats) == {"done", "left"}
+    assert stats["done"].finish_reason == "length" and stats["done"].num_output_tokens == 3
+    assert stats["done"].num_prompt_tokens == 5 and stats["done"].time_to_first_token is not None
+    assert stats["left"].finish_reason == "abort"
+    assert not eng.is_dead

@@ -16,7 +16,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from deepserve.core.engine import EngineCore
@@ -28,6 +30,19 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """A finished request's numbers, as the `deepserve_request_finished` hook receives them."""
+
+    request_id: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    time_to_first_token: float | None  # seconds from arrival to the first output token
+    e2e_latency: float  # seconds from arrival to the last output (or the abort)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread failed; every open stream receives this, with the original error as its cause."""
 
@@ -35,8 +50,10 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """`async for out in engine.generate(ids, params): ...`; call `start()` first and `shutdown()` last."""
 
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: EngineCore, plugin_manager=None) -> None:
+        """`plugin_manager`: its `deepserve_request_finished` observers see every finished request."""
         self.engine = engine
+        self.plugin_manager = plugin_manager
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -52,7 +69,7 @@ class AsyncEngine:
         from deepserve.llm import LLM
 
         llm = LLM(model, **llm_kwargs)
-        engine = cls(llm.engine)
+        engine = cls(llm.engine, llm.plugin_manager)
         engine.llm = llm  # keeps the tokenizer and model reachable for callers
         llm.async_owner = engine
         return engine
@@ -83,6 +100,15 @@ class AsyncEngine:
     def num_open_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine thread has failed; `dead_error` is why."""
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
         prompt: str | None = None, cache_salt: str | None = None,
@@ -99,13 +125,16 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt)))
+        arrived, first_token, last = time.perf_counter(), None, None
         finished = False
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                last, finished = item, item.finished
+                if first_token is None and item.outputs[0].token_ids:
+                    first_token = time.perf_counter()
                 yield item
                 if finished:
                     return
@@ -113,6 +142,23 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", [request_id]))
+            if last is not None:
+                self._report_finished(last, finished, arrived, first_token)
+
+    def _report_finished(self, out: RequestOutput, finished: bool, arrived: float, first_token: float | None) -> None:
+        if self.plugin_manager is None:
+            return
+        stats = RequestStats(
+            request_id=out.request_id, finish_reason=out.outputs[0].finish_reason if finished else "abort",
+            num_prompt_tokens=len(out.prompt_token_ids or ()), num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=len(out.outputs[0].token_ids),
+            time_to_first_token=None if first_token is None else first_token - arrived,
+            e2e_latency=time.perf_counter() - arrived,
+        )
+        try:
+            self.plugin_manager.hook.deepserve_request_finished(request=out, stats=stats)
+        except Exception:  # an observer's bug must not break the stream it observes
+            logger.exception("a deepserve_request_finished hook failed for %s", out.request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", [request_id]))

@@ -31,6 +31,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "config says `auto`. An explicit accelerator in the config wins over this variable.",
         ),
         EnvVar(
+            "DEEPSERVE_API_KEY",
+            None,
+            "API key that `deepserve serve` requires on its /v1 routes (Authorization: Bearer or x-api-key), "
+            "when --api-key is not given.",
+        ),
+        EnvVar(
             "DEEPSERVE_MODEL",
             "DEEPINFER_HF_MODEL_DIR",
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",

@@ -85,7 +85,7 @@ async def health(request: web.Request) -> web.Response:
     """200 while serving; 503 once draining for shutdown or when the engine thread has died."""
     if request.app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
-    if getattr(request.app[ENGINE], "_dead", None) is not None:  # AsyncEngine exposes no public flag yet
+    if request.app[ENGINE].is_dead:
         return web.json_response({"status": "engine stopped"}, status=503)
     return web.json_response({"status": "ok", "model": request.app[MODEL].name,
                               "num_open_requests": request.app[ADMISSION].num_open})
