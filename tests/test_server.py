@@ -7,13 +7,10 @@ import asyncio
 import json
 from pathlib import Path
 
-import deepseek_recipe as dr
 import pytest
-import torch
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepserve.core.config import ModelConfig
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import make_plugin_manager
 from deepserve.server import ENGINE, ServerConfig, create_app
@@ -26,20 +23,10 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def build_chat_checkpoint(path: Path) -> Path:
-    """The demo checkpoint's model with a byte tokenizer that also knows V4's chat special tokens, so that
-    deepseek-recipe can encode chat prompts (the plain demo tokenizer has only BOS and EOS)."""
-    from deepserve.backends.reference import ReferenceBackend
-    from deepserve.model.factory import build_model, randomize
-    from deepserve.model.tokenizer import BOS_TOKEN, EOS_TOKEN, make_byte_tokenizer
-    from deepserve.model.writer import save_checkpoint
-    from deepserve.tools.demo_checkpoint import DEMO_CONFIG
+    """The demo checkpoint: a random tiny V4 whose byte tokenizer also holds V4's chat special tokens."""
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
-    tokens = [getattr(dr.SpecialToken, n).default_str() for n in dir(dr.SpecialToken) if n[:1].isupper()]
-    specials = sorted(t for t in tokens if t not in (BOS_TOKEN, EOS_TOKEN))
-    cfg = ModelConfig.from_dict({**DEMO_CONFIG, "vocab_size": 258 + len(specials)})
-    save_checkpoint(randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), 0), path)
-    make_byte_tokenizer(path, special_tokens=specials)
-    return path
+    return build_demo_checkpoint(path)
 
 
 @pytest.fixture(scope="session")

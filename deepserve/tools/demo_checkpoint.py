@@ -1,5 +1,6 @@
 """Build a small random DeepSeek-V4 checkpoint (every layer type, hash and routed MoE, MTP block, byte-level
-tokenizer) so the offline example runs on a fresh machine with nothing downloaded.
+tokenizer that also holds the V4 chat special tokens) so the whole path runs on a fresh machine with nothing
+downloaded.
 
 The weights are random: the text it writes is noise. It exists to exercise the whole path (loader, model,
 sampling, detokenization) until the project's embedded trained model lands.
@@ -32,16 +33,28 @@ DEMO_CONFIG = dict(
 )
 
 
+def chat_special_tokens() -> list[str]:
+    """Every special token deepseek-recipe renders (User, Assistant, thinking, DSML, ...), BOS/EOS excluded."""
+    import deepseek_recipe as dr
+
+    from deepserve.model.tokenizer import BOS_TOKEN, EOS_TOKEN
+
+    tokens = {getattr(dr.SpecialToken, n).default_str() for n in dir(dr.SpecialToken) if n[:1].isupper()}
+    return sorted(tokens - {BOS_TOKEN, EOS_TOKEN})
+
+
 def build_demo_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors and tokenizer.json of a random tiny V4 into `path`."""
+    """Write config.json, model.safetensors and tokenizer.json of a random tiny V4 into `path`. Token ids:
+    BOS 0, EOS 1, the chat special tokens, then the 256 bytes."""
     from deepserve.model.factory import build_model, randomize
     from deepserve.model.tokenizer import make_byte_tokenizer
     from deepserve.model.writer import save_checkpoint
 
-    cfg = ModelConfig.from_dict(DEMO_CONFIG)
+    specials = chat_special_tokens()
+    cfg = ModelConfig.from_dict({**DEMO_CONFIG, "vocab_size": 2 + len(specials) + 256})
     model = randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), seed)
     path = save_checkpoint(model, path)
-    make_byte_tokenizer(path)
+    make_byte_tokenizer(path, special_tokens=specials)
     return path
 
 
