@@ -23,10 +23,11 @@ from deepserve.core.engine import EngineCore
 from deepserve.core.env import env_value
 from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
 from deepserve.core.outputs import RequestOutput
-from deepserve.core.plugins import make_plugin_manager, select_backend
+from deepserve.core.plugins import collect_registrations, make_plugin_manager, select_backend
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
 from deepserve.core.scheduler.scheduler import Scheduler
+from deepserve.core.structured import GrammarCompiler, TokenizerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class LLM:
     `DEEPSERVE_MODEL` (or DeepInfer's `DEEPINFER_HF_MODEL_DIR`) names it. `accelerator` (`auto|cpu|nvidia|
     ascend`, or `DEEPSERVE_ACCELERATOR`) picks the backend through the plugin hooks. The KV cache gets
     `kv_cache_bytes`, or on a GPU `gpu_memory_utilization` of the device minus what the weights took.
+    Structured output (`SamplingParams(structured_outputs=...)`) uses the grammar backend plugin named by
+    `structured_outputs_backend` unless a request names another; grammars compile on
+    `grammar_compile_workers` threads and a request whose grammar takes longer than `grammar_compile_timeout`
+    seconds fails.
     """
 
     def __init__(
@@ -61,6 +66,9 @@ class LLM:
         step_time_target: float = 0.5,
         async_scheduling: bool = True,
         load_plugins: bool = True,
+        structured_outputs_backend: str = "llguidance",
+        grammar_compile_timeout: float = 10.0,
+        grammar_compile_workers: int = 2,
     ) -> None:
         from deepserve.model.factory import load_model
         from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
@@ -97,13 +105,28 @@ class LLM:
         decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else None
         detok = (lambda ids, skip: IncrementalDetokenizer(self.tokenizer, ids, skip)) if self.tokenizer else None
         self.runner = ModelRunner(self.model, self.backend, self.cache, decode)
+        grammars = self._grammar_compiler(structured_outputs_backend, grammar_compile_timeout,
+                                          grammar_compile_workers)
         self.engine = EngineCore(scheduler, self.runner, page_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, make_detokenizer=detok,
-                                 cost_model=self.cost_model, async_scheduling=async_scheduling, seed=seed)
+                                 cost_model=self.cost_model, async_scheduling=async_scheduling, seed=seed,
+                                 grammars=grammars)
         self._ids = itertools.count()
         self.async_owner = None  # set by AsyncEngine.from_pretrained: the engine thread then owns the core
         logger.info("deepserve: %s on %s (%s), max_model_len %d", model, self.backend.device, self.backend.name,
                     self.max_model_len)
+
+    def _grammar_compiler(self, backend: str, timeout: float, workers: int) -> GrammarCompiler | None:
+        """The structured-output compiler over the grammar backend plugins, or None without a tokenizer."""
+        factories = collect_registrations(self.plugin_manager, "deepserve_register_grammar_backends")
+        if self.tokenizer is None or not factories:
+            return None
+        cfg = self.model.cfg
+        info = TokenizerInfo(self.tokenizer.to_str(), cfg.vocab_size,
+                             tuple(cfg.eos_token_ids) or self.tokenizer.eos_token_ids)
+        compiler = GrammarCompiler(factories, info, backend, timeout, max_workers=workers)
+        compiler.warm_up()  # the backend's tokenizer tables build on a worker thread, not in anyone's request
+        return compiler
 
     def _default_budget(self, utilization: float) -> int:
         import torch
@@ -130,6 +153,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         parsed = [self._parse_prompt(p, sp) for p, sp in zip(prompts, params)]  # validate all before adding any
+        self._compile_grammars(params)
         order = []
         for (text, ids), sp in zip(parsed, params):
             request_id = f"offline-{next(self._ids)}"
@@ -145,6 +169,21 @@ class LLM:
         return [results[r] for r in order]
 
     # -- requests in ---------------------------------------------------------------------------------------------
+    def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile every structured-output spec now (in parallel, cached for the engine), so an invalid schema,
+        regex or grammar, or a compile timeout, raises ValueError before any request runs."""
+        specs = list(dict.fromkeys(sp.structured_outputs for sp in params if sp.structured_outputs is not None))
+        if not specs:
+            return
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise ValueError("structured outputs need a grammar backend: this model has no tokenizer.json "
+                             "(or no grammar backend plugin is installed)")
+        for spec in specs:
+            grammars.submit(spec)
+        for spec in specs:
+            grammars.compile(spec)
+
     def _as_list(self, prompts) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]

@@ -91,7 +91,10 @@ def registering_plugin(name: str, hook_name: str, things: dict[str, Any]) -> typ
 def test_builtin_plugins_register_first_under_their_module_names():
     infos = list_plugins(make_plugin_manager(load_entrypoints=False))
     assert [info.name for info in infos] == DEFAULT_PLUGINS
-    assert all(info.source == "built-in" and info.hooks == ("deepserve_select_backend",) for info in infos)
+    assert all(info.source == "built-in" for info in infos)
+    hooks = {info.name: info.hooks for info in infos}
+    assert all(hooks[name] == ("deepserve_select_backend",) for name in hooks if name.startswith("deepserve.backends."))
+    assert hooks["deepserve.plugins.structured.plugin"] == ("deepserve_register_grammar_backends",)
 
 
 def test_a_misspelt_hook_is_an_error_at_startup():
@@ -117,10 +120,12 @@ def test_register_hook_collects_every_plugins_factories(hook_name: str):
     one = registering_plugin("one", hook_name, {"a": dict, "b": list})
     two = registering_plugin("two", hook_name, {"c": set})
     pm = make_plugin_manager(load_entrypoints=False, plugins=[one, two])
+    builtins = {name: collect_registrations(make_plugin_manager(load_entrypoints=False), name)
+                for name in REGISTER_HOOK_NAMES}  # e.g. the llguidance grammar backend
     found = collect_registrations(pm, hook_name)
-    assert found == {"a": dict, "b": list, "c": set}
+    assert found == {**builtins[hook_name], "a": dict, "b": list, "c": set}
     others = [name for name in REGISTER_HOOK_NAMES if name != hook_name]
-    assert all(collect_registrations(pm, other) == {} for other in others)
+    assert all(collect_registrations(pm, other) == builtins[other] for other in others)
 
 
 @pytest.mark.parametrize("hook_name", REGISTER_HOOK_NAMES)

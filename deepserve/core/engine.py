@@ -4,6 +4,11 @@ With asynchronous scheduling (the default) the model runner executes on its own 
 planned and submitted while step N-1 is still on the device; then the host applies N-1's samples (scheduler
 update, detokenization, stop strings, outputs). So the device never waits for Python between steps, except for
 the plan itself. The host-side gap between the end of one device step and the start of the next is recorded.
+
+Structured output rides the same pipeline: once step N-1's samples are applied, each constrained request's
+matcher consumes its new token and fills its row of step N's token bitmask, which the runner (already running
+N's forward) waits for just before sampling. Grammars compile on the `GrammarCompiler`'s threads; a request
+whose grammar is not ready prefills but does not sample (the scheduler stops it short).
 Plain Python: the runner is reached only through `ModelExecutor`.
 """
 
@@ -12,28 +17,45 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from deepserve.core.interfaces import ChunkInput, ModelExecutor, StepInput, StepOutput
+from deepserve.core.interfaces import ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import CompletionOutput, RequestOutput
 from deepserve.core.request import Request
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.scheduler import Scheduler, SchedulerOutput
 from deepserve.core.scheduler.cost_model import StepCostModel
 from deepserve.core.stop_checker import StopStringTracker, min_tokens_blocked_ids
-from deepserve.core.tracking import RequestTracker
+from deepserve.core.structured import (GrammarBackend, GrammarCompiler, GrammarError, GrammarMatcher,
+                                       timeout_message)
+from deepserve.core.tracking import GRAMMAR_ERROR_PREFIX, GrammarState, RequestTracker
+
+#: how long an idle `step()` waits for a grammar compile when nothing else can run
+_GRAMMAR_POLL_SECONDS = 0.05
 
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since start. `host_gaps` are seconds the runner sat idle between consecutive steps."""
+    """Counters since start. `host_gaps` are seconds the runner sat idle between consecutive steps. For steps with
+    constrained requests: `mask_fill_seconds` (host time filling the bitmask) and `mask_wait_seconds` (time the
+    runner waited for it after its forward: the structured-output overhead left after the overlap)."""
 
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     host_gaps: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    mask_fill_seconds: list[float] = field(default_factory=list)
+    mask_wait_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _PendingMasks:
+    """A launched step's grammar masks, still to fill: row i is for request `request_ids[i]`."""
+
+    request_ids: tuple[str, ...]
+    masks: StepMasks
 
 
 class EngineCore:
@@ -50,8 +72,10 @@ class EngineCore:
         cost_model: StepCostModel | None = None,
         async_scheduling: bool = True,
         seed: int = 0,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.scheduler, self.executor, self.cost_model = scheduler, executor, cost_model
+        self.grammars = grammars  # None: this engine refuses structured-output requests
         self.page_size, self.enable_prefix_caching = page_size, enable_prefix_caching
         self.make_detokenizer = make_detokenizer
         self.async_scheduling, self.seed = async_scheduling, seed
@@ -60,6 +84,7 @@ class EngineCore:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepserve-runner")
         self._last_end: float | None = None
         self._counter = itertools.count()
+        self._compiling: dict[str, RequestTracker] = {}  # requests whose grammar is not ready yet
         self.stats = EngineStats()
 
     # -- requests ------------------------------------------------------------------------------------------------
@@ -67,17 +92,29 @@ class EngineCore:
                     prompt: str | None = None, cache_salt: str | None = None) -> None:
         if params.stop and self.make_detokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
+        spec = params.structured_outputs
+        if spec is not None and self.grammars is None:
+            raise ValueError("structured outputs need a grammar backend, and this engine has none "
+                             "(the model has no tokenizer.json, or no grammar backend plugin is installed)")
         request = Request(request_id, prompt_token_ids, params, cache_salt)
         seed = params.seed if params.seed is not None else hash((self.seed, next(self._counter))) & (2**63 - 1)
         detok = self.make_detokenizer(request.prompt_token_ids, params.skip_special_tokens) \
             if self.make_detokenizer else None
+        future = self.grammars.submit(spec) if spec is not None else None  # raises for an unknown backend
+        request.awaiting_grammar = spec is not None
         self.scheduler.add_request(request)  # validates; raises before anything is recorded
-        self._trackers[request_id] = RequestTracker(request, prompt, seed, detok,
-                                                    StopStringTracker(params.stop, params.include_stop_str_in_output))
+        tracker = self._trackers[request_id] = RequestTracker(
+            request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output))
+        if spec is not None:
+            tracker.grammar = GrammarState(spec, future, time.monotonic() + self.grammars.timeout)
+            self._compiling[request_id] = tracker
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests at any time; their pages are freed now, their runner state at the next step."""
-        return [self._trackers.pop(r.request_id).output() for r in self.scheduler.abort(list(request_ids))]
+        aborted = self.scheduler.abort(list(request_ids))
+        for request in aborted:
+            self._compiling.pop(request.request_id, None)
+        return [self._trackers.pop(r.request_id).output() for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
         """True until every request is done *and* the runner has dropped their state."""
@@ -87,18 +124,29 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan step N and launch it; finish step N-1 on the host while N runs. Returns updated requests."""
+        outputs = self._check_grammars()
         plan = self.scheduler.schedule()
-        launched = (plan, self._worker.submit(self._run, self._step_input(plan))) \
+        masks = self._plan_masks(plan)
+        step_input = self._step_input(plan, masks)
+        if masks is not None and self._in_flight is None:
+            outputs += self._fill_masks(masks)  # nothing in flight: the matchers are up to date, fill before launch
+        launched = (plan, self._worker.submit(self._run, step_input)) \
             if plan.chunks or plan.finished_request_ids or plan.preempted_request_ids else None
-        outputs = self._finish(*self._in_flight) if self._in_flight else []
+        outputs += self._finish_in_flight(masks)
         self._in_flight = launched
+        if masks is not None and not masks.masks.bitmask.done():
+            outputs += self._fill_masks(masks)  # step N-1's tokens are consumed: fill step N's masks
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
+        if launched is None and self._compiling:  # nothing could run: wait a little for a grammar
+            wait([t.grammar.future for t in self._compiling.values()], _GRAMMAR_POLL_SECONDS, FIRST_COMPLETED)
         return outputs
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     def _run(self, step: StepInput) -> StepOutput:
         began = time.perf_counter()
@@ -108,7 +156,17 @@ class EngineCore:
         self._last_end = time.perf_counter()
         return out
 
-    def _step_input(self, plan: SchedulerOutput) -> StepInput:
+    def _finish_in_flight(self, masks: _PendingMasks | None) -> list[RequestOutput]:
+        if self._in_flight is None:
+            return []
+        try:
+            return self._finish(*self._in_flight)
+        except BaseException as exc:
+            if masks is not None and not masks.masks.bitmask.done():
+                masks.masks.bitmask.set_exception(exc)  # the runner waits on it: never leave it hanging
+            raise
+
+    def _step_input(self, plan: SchedulerOutput, masks: _PendingMasks | None = None) -> StepInput:
         chunks = []
         for c in plan.chunks:
             request = self.scheduler.requests[c.request_id]
@@ -129,14 +187,18 @@ class EngineCore:
                 snaps = tuple((b, table[b // P - 1]) for b in range((c.start // P + 1) * P, end + 1, P))
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
                                      blocked, targets, snaps))
-        return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids)
+        return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids,
+                         masks.masks if masks is not None else None)
 
     def _finish(self, plan: SchedulerOutput, future: Future) -> list[RequestOutput]:
         out: StepOutput = future.result()
         self.stats.num_steps += 1
         self.stats.step_seconds.append(out.seconds)
+        if out.mask_wait_seconds:
+            self.stats.mask_wait_seconds.append(out.mask_wait_seconds)
         if self.cost_model is not None and plan.chunks:
-            self.cost_model.observe([(len(c.token_ids), c.start) for c in plan.chunks], max(out.seconds, 1e-9))
+            seconds = max(out.seconds - out.mask_wait_seconds, 1e-9)  # the model's time, not the host's
+            self.cost_model.observe([(len(c.token_ids), c.start) for c in plan.chunks], seconds)
         self.scheduler.update_from_output(plan, out.sampled)
         touched: dict[str, RequestTracker] = {}
         for c in plan.chunks:
@@ -153,6 +215,71 @@ class EngineCore:
         for request_id, tracker in touched.items():
             if tracker.stop_match is not None and not tracker.request.is_finished:
                 self.scheduler.finish_requests([request_id], "stop", tracker.stop_match.stop)
+            grammar = tracker.grammar
+            if grammar is not None and grammar.matcher is not None and not tracker.request.is_finished:
+                verdict = grammar.advance(tracker.request.output_token_ids)
+                if verdict is not None:
+                    self.scheduler.finish_requests([request_id], *verdict)
             if tracker.request.is_finished:
                 del self._trackers[request_id]
         return [t.output() for t in touched.values()]
+
+    # -- structured output ---------------------------------------------------------------------------------------
+    def _check_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar compiled its matcher; finish those whose compile failed or timed out."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, tracker in list(self._compiling.items()):
+            grammar = tracker.grammar
+            if not grammar.future.done() and now < grammar.deadline:
+                continue
+            del self._compiling[request_id]
+            try:
+                if not grammar.future.done():
+                    raise GrammarError(timeout_message(grammar.spec, self.grammars.timeout))
+                compiled = grammar.future.result()
+                grammar.backend, grammar.matcher = compiled.backend, compiled.new_matcher()
+            except Exception as exc:  # noqa: BLE001 - any failure of the user's grammar ends only this request
+                outputs.append(self._finish_request(tracker, "abort", f"{GRAMMAR_ERROR_PREFIX}{exc}"))
+                continue
+            tracker.request.awaiting_grammar = False
+            if grammar.matcher.is_terminated():  # a grammar that only accepts the empty string
+                outputs.append(self._finish_request(tracker, "stop", None))
+        return outputs
+
+    def _finish_request(self, tracker: RequestTracker, reason: str, stop_reason: str | None) -> RequestOutput:
+        self.scheduler.finish_requests([tracker.request.request_id], reason, stop_reason)
+        del self._trackers[tracker.request.request_id]
+        return tracker.output()
+
+    def _plan_masks(self, plan: SchedulerOutput) -> _PendingMasks | None:
+        rows = [(i, c.request_id) for i, c in enumerate(plan.chunks)
+                if c.samples and self._trackers[c.request_id].grammar is not None]
+        if not rows:
+            return None
+        return _PendingMasks(tuple(r for _, r in rows), StepMasks(tuple(i for i, _ in rows), Future()))
+
+    def _fill_masks(self, pending: _PendingMasks) -> list[RequestOutput]:
+        """Fill the bitmask rows of a launched step and hand it to the runner; finish requests at a dead end."""
+        began = time.perf_counter()
+        live: dict[int, RequestTracker] = {}
+        by_backend: dict[GrammarBackend, list[tuple[GrammarMatcher, int]]] = {}
+        for row, request_id in enumerate(pending.request_ids):
+            tracker = self._trackers.get(request_id)
+            if tracker is None or tracker.request.is_finished:
+                continue  # finished by the token still in flight: this step's sample for it is discarded
+            live[row] = tracker
+            by_backend.setdefault(tracker.grammar.backend, []).append((tracker.grammar.matcher, row))
+        try:
+            bitmask = next(iter(by_backend)).allocate_bitmask(len(pending.request_ids)) if by_backend else None
+            dead = [row for backend, rows in by_backend.items() for row in backend.fill_bitmasks(bitmask, rows)]
+        except BaseException as exc:
+            pending.masks.bitmask.set_exception(exc)  # the runner waits on it: never leave it hanging
+            raise
+        pending.masks.bitmask.set_result(bitmask)
+        self.stats.mask_fill_seconds.append(time.perf_counter() - began)
+        outputs = []
+        for row in dead:  # the runner samples them unmasked; finishing the request now discards that token
+            why = live[row].grammar.matcher.error_message() or "no token is allowed"
+            outputs.append(self._finish_request(live[row], "abort", f"{GRAMMAR_ERROR_PREFIX}dead end: {why}"))
+        return outputs

@@ -12,6 +12,7 @@ stays torch-free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,22 +172,40 @@ class ChunkInput:
 
 
 @dataclass(frozen=True, slots=True)
+class StepMasks:
+    """Grammar token masks for a step's constrained sampling chunks (structured output).
+
+    The host fills them while the step's forward runs: the runner waits on `bitmask` just before sampling.
+    Row i of the bitmask masks the sampled row of chunk `chunk_indices[i]`: a CPU int32 tensor
+    [len(chunk_indices), ceil(V / 32)] whose bit j of word w allows token 32 * w + j (rows of requests that
+    finished meanwhile allow everything; their token is discarded). The future may give None: mask nothing.
+    """
+
+    chunk_indices: tuple[int, ...]
+    bitmask: Future
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
-    """One step for the runner: drop the state of `freed_request_ids` (finished or preempted), then compute."""
+    """One step for the runner: drop the state of `freed_request_ids` (finished or preempted), then compute.
+    `masks`: the grammar masks of its constrained sampling chunks, if any."""
 
     chunks: tuple[ChunkInput, ...]
     freed_request_ids: tuple[str, ...] = ()
+    masks: StepMasks | None = None
 
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step produced, per request id. `seconds`: wall time of the step on the runner (cost model)."""
+    """What a step produced, per request id. `seconds`: wall time of the step on the runner (cost model), of
+    which `mask_wait_seconds` waiting for the host's grammar masks."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     sampled_logprobs: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     seconds: float = 0.0
+    mask_wait_seconds: float = 0.0
 
 
 class ModelExecutor(ABC):

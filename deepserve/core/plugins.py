@@ -30,6 +30,7 @@ DEFAULT_PLUGINS: list[str] = [
     "deepserve.backends.reference.plugin",
     "deepserve.backends.nvidia.plugin",
     "deepserve.backends.ascend.plugin",
+    "deepserve.plugins.structured.plugin",
 ]
 
 #: accelerator names the built-in backend plugins answer to

@@ -39,13 +39,14 @@ class Request:
 
     `arrival_order` is set by the scheduler when the request is added (FIFO tie-breaks). `num_cached_tokens` is
     the prompt prefix found in the prefix cache at first admission (0 until then). `stop_reason` is the stop
-    token id that ended the request, if one did.
+    token id that ended the request, if one did. `awaiting_grammar`: its structured-output grammar is still
+    compiling, so it may prefill but not sample yet (the engine clears it when the grammar is ready).
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "cache_salt", "arrival_order", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason", "stop_reason",
-        "num_pending_tokens",
+        "num_pending_tokens", "awaiting_grammar",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        self.awaiting_grammar = False
 
     @property
     def num_prompt_tokens(self) -> int:

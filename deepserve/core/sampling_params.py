@@ -12,6 +12,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from deepserve.core.structured import GrammarSpec
+
 #: temperatures below this are treated as 0 (greedy), as vLLM does; dividing logits by them would overflow
 GREEDY_TEMPERATURE_EPS = 1e-5
 _INT64_MIN, _UINT64_END = -(2**63), 2**64
@@ -59,7 +61,11 @@ class SamplingParams:
     sampled token's logprob plus the k most likely tokens' (the same for `prompt_logprobs` over the prompt).
     `stop` strings end generation and are cut from the text unless `include_stop_str_in_output`;
     `stop_token_ids` end it like EOS does. `seed` makes a request's draws reproducible whatever else is batched.
-    After construction `stop` is always a list of strings and `stop_token_ids` a list of ints (maybe empty).
+    `structured_outputs` constrains the output: `{"json": schema}` (a dict or JSON text), `{"regex": str}`,
+    `{"grammar": str}` (Lark, or GBNF/EBNF), `{"choice": [str, ...]}` or `{"json_object": True}`, optionally with
+    `"backend"`, `"compact_json"` and `"ascii_classes"` (see `deepserve.core.structured.GrammarSpec`).
+    After construction `stop` is always a list of strings, `stop_token_ids` a list of ints (maybe empty) and
+    `structured_outputs` a `GrammarSpec` or None.
     """
 
     n: int = 1
@@ -77,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: GrammarSpec | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int_field("n", self.n, minimum=1)
@@ -114,6 +121,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = GrammarSpec.parse(self.structured_outputs)
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

@@ -1,17 +1,48 @@
-"""What the engine keeps per request besides the scheduler's `Request`: text, stop strings, logprobs, outputs."""
+"""What the engine keeps per request besides the scheduler's `Request`: text, stop strings, logprobs, outputs,
+and the grammar of a structured-output request."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 from deepserve.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepserve.core.request import Request
 from deepserve.core.stop_checker import StopStringMatch, StopStringTracker
+from deepserve.core.structured import GrammarBackend, GrammarMatcher, GrammarSpec
+
+#: `stop_reason` prefix of a request finished because of its structured-output constraint (finish_reason "abort")
+GRAMMAR_ERROR_PREFIX = "structured output: "
+
+
+class GrammarState:
+    """A constrained request's grammar: first the compile in progress (`future`, `deadline` on the engine's
+    monotonic clock), then its `matcher` (made by `backend`), which has consumed the first `num_consumed` output
+    tokens."""
+
+    __slots__ = ("spec", "future", "deadline", "backend", "matcher", "num_consumed")
+
+    def __init__(self, spec: GrammarSpec, future: Future, deadline: float) -> None:
+        self.spec, self.future, self.deadline = spec, future, deadline
+        self.backend: GrammarBackend | None = None
+        self.matcher: GrammarMatcher | None = None
+        self.num_consumed = 0
+
+    def advance(self, output_token_ids: list[int]) -> tuple[str, str | None] | None:
+        """Consume the tokens sampled since the last call. Returns (finish_reason, stop_reason) when the request
+        must finish: ("stop", None) when the grammar is complete, ("abort", why) when it rejected a token."""
+        matcher = self.matcher
+        for token in output_token_ids[self.num_consumed:]:
+            self.num_consumed += 1
+            if not matcher.consume(token):
+                return "abort", f"{GRAMMAR_ERROR_PREFIX}token {token} rejected: {matcher.error_message()}"
+        return ("stop", None) if matcher.is_terminated() else None
 
 
 class RequestTracker:
     """Turns the tokens the scheduler appends into text and logprobs, and finds stop strings in that text."""
 
     __slots__ = ("request", "prompt", "seed", "detok", "stops", "num_seen", "logprobs", "cumulative_logprob",
-                 "prompt_logprobs", "stop_match", "flushed")
+                 "prompt_logprobs", "stop_match", "flushed", "grammar")
 
     def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker) -> None:
         self.request, self.prompt, self.seed, self.detok, self.stops = request, prompt, seed, detok, stops
@@ -22,6 +53,7 @@ class RequestTracker:
         self.prompt_logprobs: dict[int, PositionLogprobs] = {}
         self.stop_match: StopStringMatch | None = None
         self.flushed = False
+        self.grammar: GrammarState | None = None
 
     def absorb(self, logprobs: PositionLogprobs | None, sampled_logprob: float | None) -> bool:
         """Take the token the scheduler just appended (if it did). True when there was one."""
@@ -52,7 +84,9 @@ class RequestTracker:
         request = self.request
         if request.is_finished and not self.flushed:
             self.flushed = True
-            if self.detok is not None and self.stop_match is None and request.finish_reason != "stop":
+            # a grammar's end is text the user wants whole, held-back bytes included
+            grammar_end = self.grammar is not None and request.stop_reason is None
+            if self.detok is not None and self.stop_match is None and (request.finish_reason != "stop" or grammar_end):
                 self.stops.append(self.detok.flush(), check=False)
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None:

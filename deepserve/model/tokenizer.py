@@ -102,6 +102,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_str(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what grammar engines such as llguidance are built from)."""
+        return self._tok.to_str()
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas (prefix/read offsets).

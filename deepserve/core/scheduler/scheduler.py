@@ -211,6 +211,9 @@ class Scheduler:
                 index += 1  # its in-flight token is its last: computing past it would be wasted
                 continue
             num_new = self._chunk_size(request, plan)
+            if num_new == 0:  # waiting for its grammar, prompt computed up to the sampling position
+                index += 1
+                continue
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]  # always at or after `index`: requests already planned are never victims
                 self._preempt(victim, plan)
@@ -221,22 +224,27 @@ class Scheduler:
                 index += 1
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
+        held: list[Request] = []  # awaiting their grammar with nothing left to prefill: the others pass them
         while self.waiting and len(self.running) < self.max_num_seqs and plan.budget > 0:
             request = self.waiting[0]
             _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
                                                         request.cache_salt)
             request.num_computed_tokens = num_cached
             num_new = self._chunk_size(request, plan)
-            if self.kv.allocate_slots(request.request_id, num_cached + num_new) is None:
-                self.kv.free(request.request_id)  # give back the prefix hit; FIFO: nobody overtakes it
+            if num_new == 0 or self.kv.allocate_slots(request.request_id, num_cached + num_new) is None:
+                self.kv.free(request.request_id)  # give back the prefix hit
                 request.num_computed_tokens = 0
-                return
+                if num_new:
+                    break  # FIFO: nobody overtakes a request that does not fit
+                held.append(self.waiting.popleft())
+                continue
             if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
                 request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_chunk(request, num_new, plan)
+        self.waiting.extendleft(reversed(held))
 
     def _finishes_with_pending(self, request: Request) -> bool:
         if not request.num_pending_tokens:
@@ -247,7 +255,11 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens_with_pending - request.num_computed_tokens
+        if request.awaiting_grammar:  # prefill, but stop short of the sampling position until the grammar is ready
+            remaining -= 1
         num_new = min(remaining, plan.budget)
+        if num_new <= 0:
+            return 0
         if self.cost_model is not None and num_new > 1:
             num_new = self.cost_model.largest_chunk(request.num_computed_tokens, remaining, cap=num_new,
                                                     other_chunks=plan.cost_chunks)
