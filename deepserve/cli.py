@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           drain_timeout=args.drain_timeout, default_thinking_mode=args.thinking == "on",
-                          engine_kwargs=engine_kwargs)
+                          structured_outputs_backend=args.structured_outputs_backend,
+                          grammar_compile_timeout=args.grammar_compile_timeout, engine_kwargs=engine_kwargs)
     run_server(config, args.host, args.port)
     return 0
 
@@ -86,6 +87,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--thinking", choices=["on", "off"], default="on",
                        help="thinking mode for chat requests that do not choose (deepseek-recipe's default: on)")
+    serve.add_argument("--structured-outputs-backend", default=None,
+                       help="grammar backend plugin for constrained requests that name none (default: llguidance)")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=None,
+                       help="seconds a request's structured-output constraint may take to compile; past it: 400 "
+                       "(default: 10)")
     serve.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on shutdown")

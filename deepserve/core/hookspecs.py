@@ -61,12 +61,21 @@ def deepserve_register_cache_backends(register: Register) -> None:
 
 @hookspec
 def deepserve_register_grammar_backends(register: Register) -> None:
-    """Contribute structured-output compilers (JSON schema, regex, grammar -> token masks).
+    """Contribute structured-output grammar backends (JSON schema, regex, grammar, choice -> token masks).
 
-    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
+    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`; the engine's
+    `GrammarCompiler` keeps the factories. The built-in `deepserve.plugins.structured.plugin` registers
+    `llguidance` (the default).
 
-    :param register: call `register(name, factory)` once per compiler; `name` is unique across all plugins,
-        `factory` builds the compiler when a request first asks for it.
+    :param register: call `register(name, factory)` once per backend; `name` is unique across all plugins and
+        is what users select it by: the engine option `structured_outputs_backend` (the server's
+        `--structured-outputs-backend`), or per request `structured_outputs={"backend": name, ...}` (over HTTP
+        also `guided_decoding_backend`). `factory(tokenizer_info)` takes a
+        `deepserve.core.structured.TokenizerInfo` and returns a `deepserve.core.structured.GrammarBackend`; it is
+        called once per engine, on a compile thread, when the backend is first used (the default one at
+        start-up), so heavy imports belong inside it. `GrammarBackend.compile` runs on compile threads and raises
+        `deepserve.core.structured.GrammarError` naming what is wrong with the user's spec: the server answers
+        that message as a 400.
     :return: nothing.
     """
 

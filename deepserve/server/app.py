@@ -33,7 +33,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
                engine_factory: EngineFactory | None = None) -> web.Application:
     """The deepserve app for `config`. Routes from `deepserve_register_routes` plugins are added now (each
     factory is called with this app); `engine_factory` (default: `AsyncEngine.from_pretrained(config.model,
-    **config.engine_kwargs)`) runs in a thread when the app starts."""
+    **config.engine_options)`) runs in a thread when the app starts."""
     middlewares = [error_middleware] + ([auth_middleware(config.api_key)] if config.api_key else [])
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
@@ -41,7 +41,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
     app[PLUGIN_ROUTES] = []
     add_routes(app)
     _add_plugin_routes(app, plugin_manager if plugin_manager is not None else make_plugin_manager())
-    factory = engine_factory or (lambda: AsyncEngine.from_pretrained(config.model, **config.engine_kwargs))
+    factory = engine_factory or (lambda: AsyncEngine.from_pretrained(config.model, **config.engine_options))
     app.cleanup_ctx.append(_engine_context(factory))
     app.on_shutdown.append(_drain)
     return app

@@ -3,7 +3,8 @@
 deepseek-recipe has no legacy-completions protocol, so this module parses the body itself; the engine applies
 stop strings and detokenizes, and streams hold back a tail that could still become a stop string. Field names
 beyond OpenAI's (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`) are vLLM's. An unknown field is a 400 that names it.
+`include_stop_str_in_output`, and structured output: `response_format` as in chat, `structured_outputs`,
+`guided_*`) are vLLM's. An unknown field is a 400 that names it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from deepserve.core.stop_checker import hold_back_length
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
+from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, compile_grammar, grammar_failure, \
+    response_format_constraint, single, to_spec
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
@@ -35,12 +38,14 @@ def _is_not(value: int) -> Callable[[Any], bool]:
 _UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1), "logit_bias": bool,
                 "presence_penalty": _is_not(0), "frequency_penalty": _is_not(0)}
 KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
-                          "user", *_SAMPLING_FIELDS, *_UNSUPPORTED})
+                          "user", "response_format", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED})
 MAX_LOGPROBS = 20
 
 
-def parse_completion(body: dict[str, Any], model: ModelInfo) -> tuple[str | None, list[int], SamplingParams]:
-    """Validate a completions body: (prompt text, prompt ids, sampling parameters). Raises 400 `ApiError`s."""
+def parse_completion(body: dict[str, Any], model: ModelInfo) \
+        -> tuple[str | None, list[int], SamplingParams, str | None]:
+    """Validate a completions body: (prompt text, prompt ids, sampling parameters, the field that asked for
+    structured output or None). Raises 400 `ApiError`s."""
     for name in body:
         if name not in KNOWN_FIELDS:
             raise ApiError(400, f"unrecognized field '{name}'", param=name, code="unknown_field")
@@ -69,14 +74,16 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) -> tuple[str | None
                        f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
                        "completion).", param="max_tokens", code="context_length_exceeded")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
+    spec = to_spec(constraint) if constraint is not None else None
     try:
         params = SamplingParams(n=body.get("n") if body.get("n") is not None else 1, max_tokens=max_tokens,
-                                logprobs=logprobs, **fields)
+                                logprobs=logprobs, structured_outputs=spec, **fields)
     except (ValueError, TypeError) as exc:
         raise sampling_error(exc) from None
     if params.stop and model.tokenizer is None:
         raise ApiError(400, "'stop' needs a tokenizer and this model has none", param="stop")
-    return text, ids, model.fit_params(params)
+    return text, ids, model.fit_params(params), constraint.field if constraint is not None else None
 
 
 def _check_type(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> None:
@@ -107,7 +114,9 @@ def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
 
 async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     model, engine = request.app[MODEL], request.app[ENGINE]
-    text, ids, params = parse_completion(body, model)
+    text, ids, params, constraint_field = parse_completion(body, model)
+    if params.structured_outputs is not None:
+        await compile_grammar(engine.engine, params.structured_outputs, constraint_field)
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -123,6 +132,8 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
                 if not stream:
                     sent_tokens = len(completion.token_ids)
                     continue
+                if out.finished and grammar_failure(completion) is not None:
+                    break  # a 422, or the error event below ends the stream
                 if sse is None:
                     sse = await open_sse(request)
                 end = len(completion.text)
@@ -142,12 +153,19 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
         reason = "error"
         raise ApiError(400, str(exc)) from None
     finally:
-        timer.finish(_finish(final.outputs[0]) if final is not None and final.finished else reason)
+        if final is not None and final.finished:
+            reason = "error" if grammar_failure(final.outputs[0]) is not None else _finish(final.outputs[0])
+        timer.finish(reason)
     completion = final.outputs[0]
     if completion.finish_reason == "abort":
+        error = grammar_failure(completion, constraint_field) or \
+            ApiError(503, "the request was aborted: the server is shutting down")
         if sse is None:
-            raise ApiError(503, "the request was aborted: the server is shutting down")
-        await sse.write(sse_message(json.dumps(error_body(request.path, 503, "the request was aborted"))))
+            raise error
+        if error.status == 503:
+            error.message = "the request was aborted"
+        await sse.write(sse_message(json.dumps(error_body(request.path, error.status, error.message, error.param,
+                                                          error.code))))
         return sse
     usage = _usage(final)
     if sse is None:

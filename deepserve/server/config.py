@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: server options that are engine (`LLM`) options of the same name
+_ENGINE_OPTIONS = ("structured_outputs_backend", "grammar_compile_timeout")
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -17,7 +20,9 @@ class ServerConfig:
     requests are open at once; one more gets 429 with `Retry-After`. `api_key` (when set) guards every `/v1/`
     route. A body over `max_body_bytes` gets 413. On shutdown, in-flight requests get `drain_timeout` seconds to
     finish before they are aborted. `default_thinking_mode` is deepseek-recipe's default for requests that do
-    not say (DeepSeek's API default is on).
+    not say (DeepSeek's API default is on). `structured_outputs_backend` (the grammar backend plugin for requests
+    that name none) and `grammar_compile_timeout` (seconds a constraint may take to compile; past it the request
+    gets 400) go to the engine when set; None keeps the engine's defaults (`llguidance`, 10 s).
     """
 
     model: str
@@ -28,6 +33,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     retry_after_seconds: int = 1
     default_thinking_mode: bool = True
+    structured_outputs_backend: str | None = None
+    grammar_compile_timeout: float | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -45,6 +52,23 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.retry_after_seconds < 1:
             raise ValueError(f"retry_after_seconds must be >= 1, got {self.retry_after_seconds}")
+        if self.structured_outputs_backend is not None and (not isinstance(self.structured_outputs_backend, str)
+                                                            or not self.structured_outputs_backend.strip()):
+            raise ValueError(f"structured_outputs_backend must be a backend's name, got "
+                             f"{self.structured_outputs_backend!r}")
+        timeout = self.grammar_compile_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0 or timeout == float("inf")):
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got {timeout!r}")
+        for name in _ENGINE_OPTIONS:
+            if getattr(self, name) is not None and name in self.engine_kwargs:
+                raise ValueError(f"{name} is given twice: as a server option and in engine_kwargs")
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """What the engine is built with: `engine_kwargs` plus the structured-output options that are set."""
+        return {**self.engine_kwargs, **{name: getattr(self, name) for name in _ENGINE_OPTIONS
+                                        if getattr(self, name) is not None}}
 
     @property
     def model_name(self) -> str:

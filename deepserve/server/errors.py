@@ -23,7 +23,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: error `type` per status; the names are Anthropic's, which OpenAI's clients accept as well
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+    405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 

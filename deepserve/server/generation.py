@@ -1,9 +1,11 @@
 """One recipe-protocol request through the engine: outputs -> deepseek-recipe's stream processor -> the client,
 as server-sent events (`stream: true`) or as one accumulated JSON response.
 
-The SSE response starts with the first output, so anything the engine refuses before that is still a plain
-JSON error. Leaving early (a stop sequence ended the text, the client disconnected, the handler was cancelled)
-closes the engine stream, which aborts the request and frees its pages within one step.
+A constrained request's grammar is compiled before the engine sees it (an invalid one is a 400). The SSE
+response starts with the first output, so anything the engine refuses before that is still a plain JSON error;
+a grammar that fails while generating is a 422, or the protocol's error event once streaming. Leaving early (a
+stop sequence ended the text, the client disconnected, the handler was cancelled) closes the engine stream,
+which aborts the request and frees its pages within one step.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ from deepserve.server.http import open_sse, sse_message
 from deepserve.server.metrics import RequestTimer
 from deepserve.server.recipe import RESPONSES, Prepared
 from deepserve.server.state import ENGINE, METRICS, MODEL
+from deepserve.server.structured import compile_grammar, grammar_failure
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
 
 
 async def serve_prepared(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+    spec = prepared.params.structured_outputs
+    if spec is not None:
+        try:
+            await compile_grammar(request.app[ENGINE].engine, spec, prepared.constraint_field)
+        except BaseException:
+            prepared.processor.close()
+            raise
     timer = request.app[METRICS].timer()
     reason = "abort"  # unless the request ends normally: the client left or the handler was cancelled
     try:
@@ -45,6 +55,7 @@ class _Translator:
 
     def __init__(self, prepared: Prepared, eos_token_ids: Sequence[int], timer: RequestTimer) -> None:
         self.processor, self.params = prepared.processor, prepared.params
+        self.constraint_field = prepared.constraint_field
         self.eos_token_ids, self.timer = eos_token_ids, timer
         self.num_prompt_tokens = len(prepared.prompt_token_ids)
         self.num_sent = 0
@@ -64,6 +75,9 @@ class _Translator:
             self.num_sent = end
         if out.finished and not self.processor.finished:
             if completion.finish_reason not in _FINISH:
+                failure = grammar_failure(completion, self.constraint_field)
+                if failure is not None:
+                    raise failure
                 raise ApiError(503, "the request was aborted: the server is shutting down")
             self.reason = completion.finish_reason
             events += self.processor.push(dr.InferenceChunk.finish(_FINISH[self.reason]))

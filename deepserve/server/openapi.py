@@ -2,7 +2,9 @@
 
 Request schemas say what the server checks itself; the recipe endpoints also accept the rest of their protocol
 (`additionalProperties: true`: deepseek-recipe ignores fields it does not know), `/v1/completions` refuses
-unknown fields. Every operation lists the statuses it can answer.
+unknown fields. Structured output is documented where each protocol asks for it (`response_format`,
+`text.format`, `output_format`) and as the `structured_outputs` / `guided_*` extension on every generation route.
+Every operation lists the statuses it can answer.
 """
 
 from __future__ import annotations
@@ -40,6 +42,41 @@ _COMPLETION_SAMPLING = {**_SAMPLING, "temperature": _nullable({"type": "number",
                         "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1})}
 
 
+# structured output (deepserve.server.structured): exactly one constraint per request, else a 400 naming the fields
+_SCHEMA_OBJ = {"type": ["object", "boolean"], "description": "a JSON schema"}
+_CHOICES = {"type": "array", "items": _STR, "minItems": 1}
+_STRUCTURED_OUTPUTS = {
+    "type": "object", "minProperties": 1, "additionalProperties": False,
+    "description": "deepserve/vLLM extension: exactly one of json, json_object, regex, grammar, choice "
+                   "(docs/structured.md); an invalid one, or a compile past the server's grammar compile timeout, "
+                   "is a 400",
+    "properties": {key: _nullable(value) for key, value in {  # null: as if not given
+        "json": {"anyOf": [_SCHEMA_OBJ, {"type": "string", "description": "the schema as JSON"}]},
+        "json_object": {"const": True}, "regex": _TEXT,
+        "grammar": dict(_TEXT, description="Lark (`start:`) or GBNF (`root ::=`)"), "choice": _CHOICES,
+        "backend": dict(_TEXT, description="a registered grammar backend (default: the server's)"),
+        "compact_json": _BOOL, "ascii_classes": _BOOL}.items()}}
+_GUIDED = {"structured_outputs": {"anyOf": [_STRUCTURED_OUTPUTS, {"type": "null"}]},
+           "guided_json": _nullable({"anyOf": [_SCHEMA_OBJ, {"type": "string"}],
+                                     "description": "vLLM's older name for structured_outputs.json"}),
+           "guided_regex": _nullable(dict(_TEXT, description="structured_outputs.regex")),
+           "guided_grammar": _nullable(dict(_TEXT, description="structured_outputs.grammar")),
+           "guided_choice": _nullable(dict(_CHOICES, description="structured_outputs.choice")),
+           "guided_decoding_backend": _nullable(dict(_TEXT, description="structured_outputs.backend"))}
+_RESPONSE_FORMAT = _nullable({"oneOf": [
+    _object(["type"], {"type": {"const": "text"}}),
+    _object(["type"], {"type": {"const": "json_object"}}),
+    _object(["type", "json_schema"], {"type": {"const": "json_schema"}, "json_schema": _object(["schema"], {
+        "name": _STR, "description": _STR, "schema": _SCHEMA_OBJ, "strict": _nullable(_BOOL)})}),
+    _object(["type", "regex"], {"type": {"const": "regex"}, "regex": _TEXT})]})
+_TEXT_FORMAT = _object([], {"format": _nullable({"oneOf": [
+    _object(["type"], {"type": {"const": "text"}}),
+    _object(["type"], {"type": {"const": "json_object"}}),
+    _object(["type", "name", "schema"], {"type": {"const": "json_schema"}, "name": _STR, "description": _STR,
+                                 "schema": _SCHEMA_OBJ, "strict": _nullable(_BOOL)})]})})
+_ANTHROPIC_FORMAT = _nullable(_object(["type", "schema"], {"type": {"const": "json_schema"}, "schema": _SCHEMA_OBJ}))
+
+
 def _messages(roles: list[str]) -> dict:
     return {"type": "array", "minItems": 1, "items": _object(["role"], {"role": {"enum": roles}})}
 
@@ -61,7 +98,7 @@ SCHEMAS: dict[str, Any] = {
         "tools": _nullable({"type": "array", "items": _OBJ}), "tool_choice": {},
         "thinking": _nullable(_object([], {"type": {"enum": ["enabled", "disabled"]}})),
         "reasoning_effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
-        "response_format": _nullable(_object(["type"], {"type": _STR}, True))}),
+        "response_format": _RESPONSE_FORMAT, **_GUIDED}),
     "ChatCompletion": _object(["id", "object", "created", "model", "choices"], {
         "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["index", "message", "finish_reason"], {
@@ -79,7 +116,8 @@ SCHEMAS: dict[str, Any] = {
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
         "skip_special_tokens": _nullable(_BOOL), "include_stop_str_in_output": _nullable(_BOOL),
         "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), "logit_bias": _nullable({"maxProperties": 0}),
-        "presence_penalty": _nullable({"const": 0}), "frequency_penalty": _nullable({"const": 0})}, extra=False),
+        "presence_penalty": _nullable({"const": 0}), "frequency_penalty": _nullable({"const": 0}),
+        "response_format": _RESPONSE_FORMAT, **_GUIDED}, extra=False),
     "Completion": _object(["id", "object", "created", "model", "choices", "usage"], {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["text", "index", "finish_reason"], {
@@ -88,7 +126,8 @@ SCHEMAS: dict[str, Any] = {
     "ResponsesRequest": _object(["model"], {
         "model": _STR, "input": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
         "instructions": _nullable(_STR), "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
-        "tools": _nullable({"type": "array", "items": _OBJ}), "reasoning": _nullable(_OBJ), "text": _nullable(_OBJ)}),
+        "tools": _nullable({"type": "array", "items": _OBJ}), "reasoning": _nullable(_OBJ),
+        "text": _nullable(_TEXT_FORMAT), **_GUIDED}),
     "Response": _object(["id", "object", "status", "model", "output"], {
         "id": _STR, "object": {"const": "response"}, "status": _STR, "model": _STR,
         "output": {"type": "array", "items": _OBJ}, "usage": _nullable(_OBJ)}),
@@ -97,7 +136,8 @@ SCHEMAS: dict[str, Any] = {
         "max_tokens": {"type": "integer", "minimum": 1},
         "system": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
         "stop_sequences": _nullable({"type": "array", "items": _STR}), "thinking": _nullable(_OBJ),
-        "tools": _nullable({"type": "array", "items": _OBJ})}),
+        "tools": _nullable({"type": "array", "items": _OBJ}), "output_format": _ANTHROPIC_FORMAT,
+        "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), **_GUIDED}),
     "Message": _object(["id", "type", "role", "content", "model"], {
         "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
         "content": {"type": "array", "items": _OBJ}, "stop_reason": _nullable(_STR), "usage": _OBJ}),
@@ -110,9 +150,13 @@ SCHEMAS: dict[str, Any] = {
     "Health": _object(["status"], {"status": {"enum": ["ok", "draining", "engine stopped"]}}),
 }
 
-_ERRORS = {"400": "invalid JSON, an invalid or unsupported field (named in the error), or a prompt longer than "
-                  "the context", "404": "unknown model",
-           "413": "request body too large", "429": "waiting queue full (see Retry-After)",
+_ERRORS = {"400": "invalid JSON, an invalid or unsupported field (named in the error), a prompt longer than "
+                  "the context, or a structured-output constraint that is invalid, asked for twice, or compiles "
+                  "past the grammar compile timeout", "404": "unknown model",
+           "413": "request body too large",
+           "422": "the structured-output grammar failed while generating (`structured_output_failed`: a dead end "
+                  "where no token is allowed); in a stream this is an error event instead",
+           "429": "waiting queue full (see Retry-After)",
            "503": "shutting down (see Retry-After) or the engine has stopped"}
 
 

@@ -4,7 +4,10 @@ The recipe parses and converts a request into a conversation, renders and encode
 `max_tokens` against the context, and its stream processor turns output tokens back into protocol chunks
 (reasoning content, tool calls, stop sequences, usage with cached tokens). deepserve adds only what the recipe
 leaves to its caller: which model names it serves, options the engine cannot honour (a 400 that names them),
-the prompt-length check, and the field a parse error is about.
+the prompt-length check, the field a parse error is about, and structured output: the recipe's
+`output_constraint` (and the fields it does not read: see `deepserve.server.structured`) becomes the request's
+`SamplingParams.structured_outputs`. A constrained request runs without thinking unless it asks for thinking
+explicitly, which is refused for now (the engine cannot yet start a constraint after the thinking section).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 import deepseek_recipe as dr
 
 from deepserve.core.sampling_params import SamplingParams
+from deepserve.core.structured import GrammarSpec
 from deepserve.server.errors import ApiError, sampling_error
+from deepserve.server.structured import Constraint, anthropic_constraints, body_constraints, recipe_constraint, \
+    single, to_spec
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from deepserve.server.state import ModelInfo
@@ -60,7 +66,8 @@ MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
 
 @dataclass(slots=True)
 class Prepared:
-    """A converted request, ready for the engine: prompt ids, sampling parameters and its stream processor."""
+    """A converted request, ready for the engine: prompt ids, sampling parameters and its stream processor.
+    `constraint_field` names the field that asked for `params.structured_outputs` (None: unconstrained)."""
 
     protocol: Protocol
     request_id: str
@@ -68,6 +75,7 @@ class Prepared:
     params: SamplingParams
     stream: bool
     processor: dr.StreamProcessor
+    constraint_field: str | None = None
 
 
 class RecipeCodec:
@@ -77,12 +85,17 @@ class RecipeCodec:
     def __init__(self, model_dir: str, model_name: str, default_thinking_mode: bool) -> None:
         self.model_name = model_name
         self.version = dr.ModelVersion.DeepseekV4Pro  # V4.1 checkpoints: DeepseekV41Flash + DeepseekV41Encoding
-        self.options = dr.ConversionOptions(default_thinking_mode=default_thinking_mode) \
-            .with_model_versions_by_name({model_name: self.version})
+        self.options = self._options(default_thinking_mode)
+        # a constrained request that does not choose runs without thinking (see `_constrained_conversion`)
+        self.options_without_thinking = self._options(False) if default_thinking_mode else None
         file = Path(model_dir) / "tokenizer.json"
         self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
         self.unavailable = self._probe()
+
+    def _options(self, default_thinking_mode: bool) -> dr.ConversionOptions:
+        return dr.ConversionOptions(default_thinking_mode=default_thinking_mode) \
+            .with_model_versions_by_name({self.model_name: self.version})
 
     def _probe(self) -> str | None:
         if self.encoding is None:
@@ -106,10 +119,14 @@ class RecipeCodec:
             if protocol is RESPONSES else None
         conv = _recipe(lambda: request.convert(self.options), protocol, body)
         _check_conversation(protocol, conv)
+        constraint = _constraint(protocol, conv, body)
+        spec = to_spec(constraint) if constraint is not None else None
+        if constraint is not None and conv.conversation.thinking_mode:
+            conv = self._constrained_conversion(protocol, raw, body, constraint)
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
         max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)
-        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body.get("top_k")))
+        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body.get("top_k"), spec))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
         generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
         if echo is not None:
@@ -117,7 +134,22 @@ class RecipeCodec:
         if tool_map:
             generator = generator.with_namespace_tool_map(tool_map)
         processor = dr.StreamProcessor(generator, conv.parsing_options, self.tokenizer)
-        return Prepared(protocol, request_id, ids, params, conv.stream, processor)
+        return Prepared(protocol, request_id, ids, params, conv.stream, processor,
+                        constraint.field if constraint is not None else None)
+
+    def _constrained_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any],
+                                constraint: Constraint) -> dr.ConversationRequest:
+        """The conversion of a constrained request without thinking; 400 when the request asks for thinking.
+        (The engine applies a constraint from the first output token: in thinking mode that is the reasoning.)"""
+        conv = None
+        if self.options_without_thinking is not None:  # thinking came from the server's default: convert again
+            request = _recipe(lambda: protocol.request_type(raw), protocol, body)
+            conv = _recipe(lambda: request.convert(self.options_without_thinking), protocol, body)
+        if conv is None or conv.conversation.thinking_mode:
+            raise ApiError(400, f"'{constraint.field}' asks for structured output, which this server cannot "
+                           "combine with thinking mode yet: disable thinking for this request",
+                           param=constraint.field, code="unsupported")
+        return conv
 
 
 def _check_conversation(protocol: Protocol, conv: dr.ConversationRequest) -> None:
@@ -125,19 +157,26 @@ def _check_conversation(protocol: Protocol, conv: dr.ConversationRequest) -> Non
         for source in message.image_sources:
             raise ApiError(400, f"image input is not supported: this model has no vision encoder ({source.path})",
                            param=source.path or "messages", code="unsupported")
-    constraint = conv.inference_options.output_constraint
-    if constraint is not None and constraint.kind in ("json", "regex"):
-        raise ApiError(400, f"'{protocol.constraint_field}' asks for structured output ({constraint.kind}), which "
-                       "this server does not support yet", param=protocol.constraint_field, code="unsupported")
 
 
-def _sampling_params(options: dr.InferenceOptions, max_tokens: int, top_k: Any) -> SamplingParams:
+def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str, Any]) -> Constraint | None:
+    """The one constraint of a request: the recipe's `output_constraint` (`response_format`, `text.format`),
+    Anthropic's output format (which the recipe does not carry), or the `structured_outputs` / `guided_*`
+    extension fields. Tool-call constraints the recipe reports are not enforced."""
+    found = [recipe_constraint(conv.inference_options.output_constraint, protocol.constraint_field)]
+    if protocol is MESSAGES:
+        found += anthropic_constraints(body)
+    return single(found + body_constraints(body))
+
+
+def _sampling_params(options: dr.InferenceOptions, max_tokens: int, top_k: Any,
+                     structured_outputs: GrammarSpec | None = None) -> SamplingParams:
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     try:
         return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
                               top_p=1.0 if options.top_p is None else options.top_p,
                               top_k=0 if top_k is None else top_k, seed=options.seed, max_tokens=max_tokens,
-                              logprobs=logprobs)
+                              logprobs=logprobs, structured_outputs=structured_outputs)
     except ValueError as exc:
         raise sampling_error(exc) from None
 
