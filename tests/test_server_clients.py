@@ -7,15 +7,11 @@
   content type, headers and body as the document describes them.
 
 One server process serves the whole module (a tiny random V4 on CPU: the text is noise, the protocols are not).
-It is stopped with SIGINT at the end and must exit 0. Known findings are marked xfail, each pointing to the
-finding it reproduces (F1, F2, F3 below); everything else is strict.
+It is stopped with SIGINT at the end and must exit 0. The one known finding is marked xfail (F3 below);
+everything else is strict. Fixed findings: F1 (the document described event-stream bodies as a string; OpenAPI 3.1
+tools read that schema per event, so it is now the event object) and F2 (/v1/messages served requests without
+the `max_tokens` the document and Anthropic's API require; now a 400).
 
-Findings (see the session report for the details):
-- F1: schemathesis reads the `text/event-stream` entries of an OpenAPI 3.1 document as the schema of one event
-  (an object with `data`, `event`, `id`, `retry`); the document gives `{"type": "string"}`, so every streamed 200
-  of the four generation routes fails `response_schema_conformance`.
-- F2: `POST /v1/messages` without `max_tokens` is served (200) although the document requires the field (as
-  Anthropic's API does).
 - F3: chat-protocol usage undercounts: a final token that ends inside a UTF-8 character is generated (and counted
   in `deepserve_generation_tokens_total`) but not counted in `usage.completion_tokens` / `output_tokens`.
 """
@@ -65,9 +61,6 @@ USER = [{"role": "user", "content": "hi"}]
 MAX_EXAMPLES = 40
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
-F1 = ("F1 (report): the document describes a text/event-stream body as {'type': 'string'}; schemathesis reads an "
-      "OpenAPI 3.1 event-stream schema as the schema of each event, an object, so every streamed 200 fails it")
-F2 = "F2 (report): /v1/messages serves a request without the max_tokens the document (and Anthropic's API) requires"
 F3 = ("F3 (report): chat-protocol usage leaves out a final token that ends inside a UTF-8 character, although the "
       "engine generated it (deepserve_generation_tokens_total counts it)")
 
@@ -424,9 +417,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(api_schema, method
     def fuzz(case):
         realistic(case, path)
         response = case.call(headers=AUTH, timeout=120)
-        # F1: the streamed body's schema is the one known mismatch; its other checks stay
-        checks = [c for c in CHECKS if c is not response_schema_conformance] if is_event_stream(response) else CHECKS
-        validate(case, response, checks, AUTH)
+        validate(case, response, CHECKS, AUTH)
 
     fuzz()
 
@@ -477,40 +468,26 @@ STREAMED = [label for label in EXAMPLES if label.endswith("-stream")]
 
 @pytest.mark.parametrize("label", EXAMPLES)
 def test_known_requests_get_the_documented_answer(api_schema, label):
-    """The answers fuzzing rarely reaches (successes, streams, 401, 404, 413), each checked against the document;
-    streamed bodies skip only the schema check (F1, `test_streamed_bodies_match_the_document`)."""
+    """The answers fuzzing rarely reaches (successes, streams, 401, 404, 413), each checked against the document."""
     method, path, body, path_parameters, headers, status = EXAMPLES[label]
     case = _case(api_schema, method, path, body, **({"path_parameters": path_parameters} if path_parameters else {}))
     response = case.call(headers=headers, timeout=120)
     assert response.status_code == status, response.text[:500]
     assert is_event_stream(response) == label.endswith("-stream")
-    checks = [c for c in CHECKS if c is not response_schema_conformance] if label in STREAMED else CHECKS
-    validate(case, response, checks, headers)
+    validate(case, response, CHECKS, headers)
 
 
-class KnownSseSchemaMismatch(AssertionError):
-    """Every failure is schemathesis' 'SSE event violates schema' (F1), and nothing else."""
-
-
-@pytest.mark.xfail(strict=True, raises=KnownSseSchemaMismatch, reason=F1)
 @pytest.mark.parametrize("label", STREAMED)
 def test_streamed_bodies_match_the_document(api_schema, label):
     method, path, body, _, headers, _ = EXAMPLES[label]
     case = _case(api_schema, method, path, body)
     response = case.call(headers=headers, timeout=120)
     assert response.status_code == 200 and is_event_stream(response)
-    try:
-        case.validate_response(response, checks=[response_schema_conformance], headers=headers)
-    except BaseExceptionGroup as group:
-        if all(getattr(failure, "title", None) == "SSE event violates schema" for failure in group.exceptions):
-            raise KnownSseSchemaMismatch(str(group)) from None
-        raise AssertionError(str(group)) from None
+    case.validate_response(response, checks=[response_schema_conformance], headers=headers)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=F2)
 def test_messages_without_max_tokens_is_answered_as_documented(api_schema):
-    """The document and the server agree on whether `max_tokens` is required (F2: the document says so, the server
-    serves the request anyway)."""
+    """The document and the server agree that `max_tokens` is required on /v1/messages (it was F2)."""
     required = "max_tokens" in api_schema.raw_schema["components"]["schemas"]["MessagesRequest"]["required"]
     # a prompt that fills the context but for a few tokens, so that a served request stays short
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN - 12)}]}

@@ -164,10 +164,17 @@ def _json(ref: str) -> dict:
     return {"schema": {"$ref": f"#/components/schemas/{ref}"}}
 
 
+# OpenAPI 3.1 tools read an event-stream schema as the schema of one server-sent event
+_SSE_EVENT = {"type": "object", "description": "one server-sent event; `data` holds the protocol's JSON chunk "
+              "(or `[DONE]` for OpenAI chat and completions)",
+              "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
+
 def _generation(summary: str, request: str, response: str, error: str, stream: str) -> dict:
     responses = {"200": {"description": f"the result, or with `stream: true` {stream}",
                          "content": {"application/json": _json(response),
-                                     "text/event-stream": {"schema": _STR}}}}
+                                     "text/event-stream": {"schema": _SSE_EVENT}}}}
     responses.update({code: {"description": text, "content": {"application/json": _json(error)}}
                       for code, text in _ERRORS.items()})
     return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": _json(request)}},

@@ -113,6 +113,8 @@ class RecipeCodec:
         for name, is_set in protocol.unsupported.items():
             if is_set(body.get(name)):
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
+        if protocol is MESSAGES and body.get("max_tokens") is None:  # required by Anthropic's API and our document
+            raise ApiError(400, "'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
         request = _recipe(lambda: protocol.request_type(raw), protocol, body)
         echo = _recipe(request.echo, protocol, body) if protocol is RESPONSES else None
         tool_map = _recipe(lambda: request.namespace_tool_map(self.options), protocol, body) \
