@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 #: the embedded default model `serve` uses when no model is named (its own issue builds it)
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "deepserve-tiny-v4"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -28,16 +27,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def default_model() -> str:
     """The model `serve` uses when none is named: $DEEPSERVE_MODEL, else the embedded default model."""
-    from deepserve.core.env import env_value
+    from deepserve.core.env import default_model_dir
 
-    named = env_value("DEEPSERVE_MODEL")
-    if named:
-        return named
-    if (EMBEDDED_MODEL / "config.json").is_file():
-        return str(EMBEDDED_MODEL)
-    raise ValueError("no model given and the embedded default model is not installed: pass a checkpoint directory "
-                     "(deepserve serve MODEL_DIR) or set DEEPSERVE_MODEL; `python -m deepserve.tools.demo_checkpoint "
-                     "DIR` writes a small random one")
+    model = default_model_dir()
+    if model is None:
+        raise ValueError("no model given and the embedded default model is not installed: pass a checkpoint "
+                         "directory (deepserve serve MODEL_DIR) or set DEEPSERVE_MODEL; `python -m "
+                         "deepserve.tools.demo_checkpoint DIR` writes a small random one")
+    return model
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from deepserve.core.config import EngineConfig
 from deepserve.core.engine import EngineCore
-from deepserve.core.env import env_value
+from deepserve.core.env import default_model_dir
 from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.plugins import collect_registrations, make_plugin_manager, select_backend
@@ -39,7 +39,7 @@ class LLM:
     """Load a DeepSeek-V4 checkpoint directory and generate from it.
 
     `model` is a local Hugging Face-style directory (`config.json`, safetensors, `tokenizer.json`); when omitted,
-    `DEEPSERVE_MODEL` (or DeepInfer's `DEEPINFER_HF_MODEL_DIR`) names it. `accelerator` (`auto|cpu|nvidia|
+    `DEEPSERVE_MODEL` (or DeepInfer's `DEEPINFER_HF_MODEL_DIR`) names it, else the embedded default model. `accelerator` (`auto|cpu|nvidia|
     ascend`, or `DEEPSERVE_ACCELERATOR`) picks the backend through the plugin hooks. The KV cache gets
     `kv_cache_bytes`, or on a GPU `gpu_memory_utilization` of the device minus what the weights took.
     Structured output (`SamplingParams(structured_outputs=...)`) uses the grammar backend plugin named by
@@ -75,9 +75,10 @@ class LLM:
         from deepserve.model.runner import ModelRunner
         from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
-        model = model if model is not None else env_value("DEEPSERVE_MODEL")
+        model = model if model is not None else default_model_dir()
         if model is None:
-            raise ValueError("no model given: pass LLM(model=PATH) or set DEEPSERVE_MODEL (or DEEPINFER_HF_MODEL_DIR)")
+            raise ValueError("no model given: pass LLM(model=PATH) or set DEEPSERVE_MODEL (or DEEPINFER_HF_MODEL_DIR);"
+                             " the embedded default model is not installed")
         self.config = EngineConfig(model=str(model), dtype=dtype, accelerator=accelerator, device=device, seed=seed,
                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         if max_num_batched_tokens < 1:

@@ -3,14 +3,14 @@
     DEEPSERVE_MODEL=/path/to/DeepSeek-V4-checkpoint python examples/offline_inference.py
 
 `DEEPINFER_HF_MODEL_DIR` works too (DeepInfer's name), and `DEEPSERVE_ACCELERATOR` / `DEEPINFER_ACCELERATOR`
-(`cpu|nvidia|ascend`) force a backend. With no model named, a small random V4 checkpoint is built in a temporary
-directory first, so the whole path runs on a fresh machine (its text is noise: the weights are random).
+(`cpu|nvidia|ascend`) force a backend. With no model named it runs the embedded default model that ships inside
+the package (a tiny V4 trained on Python's standard library); without that, it builds a small random checkpoint.
 """
 
 import tempfile
 
 from deepserve import LLM, SamplingParams
-from deepserve.core.env import env_value
+from deepserve.core.env import default_model_dir
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -21,12 +21,12 @@ PROMPTS = [
 
 
 def main() -> None:
-    model_dir = env_value("DEEPSERVE_MODEL")
+    model_dir = default_model_dir()
     if model_dir is None:
         from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
         model_dir = str(build_demo_checkpoint(tempfile.mkdtemp(prefix="deepserve-demo-")))
-        print(f"no DEEPSERVE_MODEL set: built a random demo checkpoint in {model_dir}")
+        print(f"no model named and no embedded model: built a random demo checkpoint in {model_dir}")
     llm = LLM(model=model_dir)
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=1234)

@@ -8,6 +8,7 @@ set, even to an empty string, counts as set (an empty `DEEPSERVE_PLUGINS` means 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,3 +68,13 @@ def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None
     if var.alias is not None and var.alias in environ:
         return environ[var.alias]
     return None
+
+
+def default_model_dir() -> str | None:
+    """The model used when none is named: `DEEPSERVE_MODEL` (or `DEEPINFER_HF_MODEL_DIR`), else the embedded
+    default model shipped inside the package (`deepserve/assets/deepserve-tiny-v4`), else None."""
+    named = env_value("DEEPSERVE_MODEL")
+    if named:
+        return named
+    embedded = Path(__file__).resolve().parents[1] / "assets" / "deepserve-tiny-v4"
+    return str(embedded) if (embedded / "config.json").is_file() else None
