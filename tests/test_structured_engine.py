@@ -18,7 +18,8 @@ import torch
 from deepserve import LLM, AsyncEngine, SamplingParams
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
-from deepserve.core.structured import GrammarBackend, GrammarCompiler, GrammarMatcher
+from deepserve.core.structured import GrammarBackend, GrammarCompiler
+from fake_grammar import dead_end_backend
 
 jsonschema = pytest.importorskip("jsonschema")
 lark = pytest.importorskip("lark")
@@ -285,52 +286,7 @@ class GatedBackend(GrammarBackend):
         return self.inner.fill_bitmasks(bitmask, rows)
 
 
-class DeadEndMatcher(GrammarMatcher):
-    """Allows the byte tokens of "ab", then nothing at all (and says so, as llguidance does)."""
-
-    def __init__(self, allowed: list[int]) -> None:
-        self.allowed = allowed
-        self.num_consumed = 0
-
-    def consume(self, token_id):
-        self.num_consumed += 1
-        return self.num_consumed <= len(self.allowed) and token_id == self.allowed[self.num_consumed - 1]
-
-    def fill_bitmask(self, bitmask, row):
-        bitmask[row] = 0
-        if self.num_consumed < len(self.allowed):
-            token = self.allowed[self.num_consumed]
-            bitmask[row, token // 32] = 1 << (token % 32)
-
-    def is_terminated(self):
-        return False
-
-    def is_error(self):
-        return self.num_consumed >= len(self.allowed)
-
-    def error_message(self):
-        return "nothing may follow 'ab'" if self.is_error() else ""
-
-    def rollback(self, num_tokens):
-        self.num_consumed -= num_tokens
-
-
-class DeadEndBackend(GrammarBackend):
-    name = "dead-end"
-
-    def __init__(self, tokenizer) -> None:
-        self.vocab_size = tokenizer.vocab_size
-        vocab = json.loads(tokenizer.tokenizer_json)["model"]["vocab"]  # the demo's byte tokens
-        self.allowed = [vocab["a"], vocab["b"]]
-
-    def compile(self, spec):
-        return spec
-
-    def new_matcher(self, compiled):
-        return DeadEndMatcher(self.allowed)
-
-    def allocate_bitmask(self, num_rows):
-        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+DeadEndBackend = dead_end_backend("ab")
 
 
 @pytest.fixture(params=[True, False], ids=["async", "sync"])
