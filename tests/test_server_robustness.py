@@ -276,7 +276,7 @@ async def test_serve_command_streams_and_exits_cleanly_on_sigint(chat_dir):  # n
 def test_serve_without_a_model_says_what_to_pass(monkeypatch, tmp_path, capsys):
     from deepserve import cli
 
-    monkeypatch.setattr(cli, "EMBEDDED_MODEL", tmp_path / "not-installed")
+    monkeypatch.setattr("deepserve.core.env.default_model_dir", lambda: None)  # as if the embedded model were absent
     monkeypatch.delenv("DEEPSERVE_MODEL", raising=False)
     monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
     assert cli.main(["serve"]) == 2
