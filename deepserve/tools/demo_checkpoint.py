@@ -19,8 +19,9 @@ import torch
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.core.config import ModelConfig
 
+# Shapes of the demo model; vocab_size is left to the caller (the demo tokenizer decides it).
 DEMO_CONFIG = dict(
-    model_type="deepseek_v4", vocab_size=258, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+    model_type="deepseek_v4", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
     head_dim=32, q_lora_rank=32, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=16, sliding_window=16,
     layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
                  "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
