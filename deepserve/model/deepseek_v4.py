@@ -26,10 +26,13 @@ from .state import LayerStateSpec, SequenceState, contiguous_state
 
 @dataclass(frozen=True, slots=True)
 class ForwardOutput:
-    """`streams`: last layer's mHC state [T, n, D] (the MTP input); `logits` [L, V] fp32 for the requested rows."""
+    """`streams`: last layer's mHC state [T, n, D] (the MTP input); `logits` [L, V] fp32 for the requested rows;
+    `hidden` [L, D]: the normed hidden state the LM head read for those rows (set by `mtp_forward`, whose drafts'
+    confidence features need it; None from the main forward)."""
 
     streams: torch.Tensor
     logits: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 class DeepseekV4Body(nn.Module):
@@ -108,4 +111,4 @@ class DeepseekV4ForCausalLM(nn.Module):
         if depth == len(self.mtp) - 1:
             for chunk, state in zip(batch.chunks, states):
                 state.mtp_num_tokens = chunk.end
-        return ForwardOutput(streams=streams, logits=self.logits(hidden))
+        return ForwardOutput(streams=streams, logits=self.logits(hidden), hidden=hidden)
