@@ -1,26 +1,46 @@
-"""The NVIDIA backend: the reference ops on a CUDA device, until the kernels arrive."""
+"""The NVIDIA backend: cuBLAS GEMMs and Triton kernels for the hot ops, the reference ops for the rest."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.nn.functional as F
 
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.core.interfaces import BackendUnavailable
 
 
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """RMS-normed flattened streams through `fn` in fp32; the norm is a per-row scalar, applied after the GEMM."""
+    flat = streams.flatten(1).float()
+    return torch.mm(flat, fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+
+
 class NvidiaBackend(ReferenceBackend):
     """Backend for NVIDIA GPUs (Hopper H100/H200 and Blackwell).
 
-    For now this runs the pure-PyTorch reference ops on the GPU: correct, not fast. The Triton kernels and the
-    FlashMLA / DeepGEMM / DeepEP paths arrive in a later issue and will override the ops they cover, one by
-    one, each checked against the reference.
+    GEMMs go straight to cuBLAS; sparse attention, the indexer's scores, the routed experts (grouped GEMMs with
+    the clamped SwiGLU fused), the mHC mixing, RMSNorm and RoPE are Triton kernels (`triton_ops/`), each checked
+    against the reference ops in `tests/gpu/`. Sampling is the reference's.
+
+    Not batch-invariant: cuBLAS and the kernels pick tiles by batch size, the indexer's ties go to whichever row
+    `torch.topk` returns first, and the MoE sums each token's experts in bf16 pairs. The reference backend (on
+    CPU, or this class with `fast=False`) is the deterministic one.
+
+    `fast=False` runs the reference ops on the GPU (the oracle, batch-invariant, slow). Without triton the
+    GEMMs still use cuBLAS directly and the other ops fall back to the reference.
 
     Raises `BackendUnavailable` when torch sees no CUDA device, or `device` is not one it sees.
     """
 
     name = "nvidia"
 
-    def __init__(self, device: str = "cuda:0") -> None:
+    def __init__(self, device: str = "cuda:0", fast: bool = True) -> None:
         if not torch.cuda.is_available():
             raise BackendUnavailable(
                 "the nvidia backend needs a CUDA GPU, but torch.cuda.is_available() is False here "
@@ -38,7 +58,89 @@ class NvidiaBackend(ReferenceBackend):
         super().__init__(device=f"cuda:{index}")
         self.device_name: str = torch.cuda.get_device_name(index)
         self.compute_capability: tuple[int, int] = torch.cuda.get_device_capability(index)
+        self.fast = fast
+        self.kernels = None
+        if fast and triton_available():
+            from . import triton_ops  # noqa: F401  (fails here, not mid-forward, if triton is broken)
+            from .triton_ops import attention, elementwise, indexer, mhc, moe
+
+            self.kernels = type("Kernels", (), dict(attention=attention, elementwise=elementwise, indexer=indexer,
+                                                     mhc=mhc, moe=moe))
 
     def __repr__(self) -> str:
         major, minor = self.compute_capability
-        return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor})"
+        path = "reference ops" if not self.fast else ("triton" if self.kernels else "cuBLAS only")
+        return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor}, {path})"
+
+    # -- GEMMs: cuBLAS, no row padding ---------------------------------------------------------------------------
+    def linear(self, x, weight):
+        if not self.fast:
+            return super().linear(x, weight)
+        return F.linear(x, weight)
+
+    def grouped_linear(self, x, weight):
+        if not self.fast:
+            return super().grouped_linear(x, weight)
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+
+    # -- elementwise ---------------------------------------------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        if self.kernels is None or not x.is_cuda:
+            return super().rms_norm(x, weight, eps)
+        return self.kernels.elementwise.rms_norm(x, weight, eps)
+
+    def apply_rope(self, x, positions, inv_freq, inverse=False):
+        if self.kernels is None or not x.is_cuda:
+            return super().apply_rope(x, positions, inv_freq, inverse)
+        return self.kernels.elementwise.apply_rope(x, positions, inv_freq, inverse)
+
+    def router_scores(self, logits):
+        if not self.fast:
+            return super().router_scores(logits)
+        return torch.sqrt(F.softplus(logits.float()))
+
+    def swiglu(self, gate, up, limit):
+        if not self.fast:
+            return super().swiglu(gate, up, limit)
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    # -- mHC -----------------------------------------------------------------------------------------------------
+    def _hc_fast(self, streams) -> bool:
+        n = streams.shape[1]
+        return self.kernels is not None and streams.is_cuda and n & (n - 1) == 0
+
+    def hc_pre(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
+        if not self._hc_fast(streams):
+            return super().hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return self.kernels.mhc.hc_pre(streams, _hc_mix(streams, fn, norm_eps), base, scale, iters, hc_eps)
+
+    def hc_post(self, streams, block_out, post, comb):
+        if not self._hc_fast(streams):
+            return super().hc_post(streams, block_out, post, comb)
+        return self.kernels.mhc.hc_post(streams, block_out, post, comb)
+
+    def hc_head(self, streams, fn, base, scale, hc_eps, norm_eps):
+        if not self.fast:
+            return super().hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+        mix = _hc_mix(streams, fn, norm_eps)
+        pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+        return torch.einsum("tn,tnd->td", pre, streams.float()).to(streams.dtype)
+
+    # -- attention -----------------------------------------------------------------------------------------------
+    def sparse_attention(self, q, kv, indices, sinks, scale):
+        d = q.shape[-1]
+        if self.kernels is None or not q.is_cuda or d & (d - 1):
+            return super().sparse_attention(q, kv, indices, sinks, scale)
+        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale)
+
+    def indexer_topk(self, q, weights, keys, key_start, key_count, topk):
+        di = q.shape[-1]
+        if self.kernels is None or not q.is_cuda or di & (di - 1):
+            return super().indexer_topk(q, weights, keys, key_start, key_count, topk)
+        return self.kernels.indexer.indexer_topk(q, weights, keys, key_start, key_count, topk)
+
+    # -- MoE -----------------------------------------------------------------------------------------------------
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        if self.kernels is None or not x.is_cuda:
+            return super().moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        return self.kernels.moe.moe_experts(x, topk_ids, topk_weights, w13, w2, limit)

@@ -1,0 +1,85 @@
+"""RMSNorm and interleaved RoPE, one launch each (the reference takes 6 and ~15 small launches)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, stride_x, stride_o, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    ok = c < C
+    x = tl.load(x_ptr + r.to(tl.int64) * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
+    if HAS_W:
+        y = y * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64) * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    o2 = out.view(-1, C)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(C)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight if weight is not None else x2, o2, C, float(eps), x2.stride(0), o2.stride(0),
+            HAS_W=weight is not None, BLOCK_C=block, num_warps=min(16, max(1, block // 256)),
+        )
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, d, half, stride_xt, stride_xm, stride_ot, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    nope = d - 2 * half
+    src = x_ptr + t.to(tl.int64) * stride_xt + m[:, None] * stride_xm
+    dst = out_ptr + t.to(tl.int64) * stride_ot + m[:, None] * stride_om
+    for c0 in range(0, nope, BLOCK_NOPE):
+        c = c0 + tl.arange(0, BLOCK_NOPE)
+        ok = m_ok[:, None] & (c[None, :] < nope)
+        tl.store(dst + c[None, :], tl.load(src + c[None, :], mask=ok, other=0.0), mask=ok)
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < half
+    cos = tl.load(cos_ptr + t * half + i, mask=i_ok, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + t * half + i, mask=i_ok, other=0.0)[None, :]
+    ok = m_ok[:, None] & i_ok[None, :]
+    even = tl.load(src + nope + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(src + nope + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst + nope + 2 * i[None, :], (even * cos - odd * sin).to(ty), mask=ok)
+    tl.store(dst + nope + 2 * i[None, :] + 1, (odd * cos + even * sin).to(ty), mask=ok)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, ..., d]; rotates the last 2 * len(inv_freq) dims of every row by its token's position."""
+    T, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
+    x3 = x.reshape(T, -1, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    o3 = out.view(T, -1, d)
+    M = x3.shape[1]
+    if T == 0 or M == 0:
+        return out
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]  # torch's cos/sin reduce large angles exactly
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if inverse:
+        sin = -sin
+    block_m = min(16, triton.next_power_of_2(M))
+    _rope_kernel[(T, triton.cdiv(M, block_m))](
+        x3, cos, sin, o3, M, d, half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
+        BLOCK_M=block_m, BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4,
+    )
+    return out

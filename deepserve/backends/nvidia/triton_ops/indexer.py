@@ -1,0 +1,80 @@
+"""Lightning-indexer scores: score[t, w] = sum_h weights[t, h] * relu(q[t, h] . keys[key_start[t] + w]).
+
+One program scores one query against one block of its keys: the query's heads are the rows of one matrix
+product with the key block, so the head sum is a reduction over that product's rows. Keys past the query's
+count score -inf, so a top-k over the row never picks them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_precision
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, keys_ptr, start_ptr, count_ptr, out_ptr,
+    Hi, width,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    count = tl.load(count_ptr + t).to(tl.int32)
+    first = tl.load(start_ptr + t)
+    visible = cols < count
+    if tl.program_id(1) * BLOCK_N < count:
+        heads = tl.arange(0, BLOCK_HI)
+        dims = tl.arange(0, DI)
+        head_ok = heads < Hi
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+        keys = tl.load(keys_ptr + (first + cols)[:, None] * stride_kn + dims[None, :], mask=visible[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [heads, keys]
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + cols, tl.where(visible, score, float("-inf")), mask=cols < width)
+    else:
+        tl.store(out_ptr + t * stride_ot + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < width)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor,
+                   key_count: torch.Tensor, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi], keys [N, Di], key_start/key_count [T] -> fp32 scores [T, width]."""
+    T, Hi, Di = q.shape
+    if Di & (Di - 1):
+        raise ValueError(f"index_head_dim must be a power of two, got {Di}")
+    q = q.to(keys.dtype).contiguous()
+    weights, keys = weights.float().contiguous(), keys.contiguous()
+    out = torch.empty((T, width), dtype=torch.float32, device=q.device) if out is None else out
+    if T == 0 or width == 0:
+        return out
+    block_n = 64
+    grid = (T, triton.cdiv(width, block_n))
+    _indexer_scores_kernel[grid](
+        q, weights, keys, key_start.contiguous(), key_count.contiguous(), out, Hi, width,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0),
+        DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_N=block_n, PRECISION=dot_precision(keys.dtype), num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def indexer_topk(q, weights, keys, key_start, key_count, topk: int) -> torch.Tensor:
+    """The backend op: top-k rows by score, ascending row order, -1 in unused slots. Ties among equal scores
+    go to whichever row torch.topk returns first (not pinned to the lowest row, unlike the reference)."""
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    width = int(key_count.max().item()) if T else 0  # the compressor syncs on the same count already
+    if width == 0:
+        return out
+    offs = torch.arange(width, device=q.device)
+    if width <= topk:  # every visible key is chosen: no scores needed
+        chosen = torch.where(offs[None, :] < key_count[:, None], key_start[:, None] + offs[None, :], -1)
+        out[:, :width] = chosen
+        return out
+    scores = indexer_scores(q, weights, keys, key_start, key_count, width)
+    values, cols = torch.topk(scores, topk, dim=1, sorted=False)
+    cols = torch.where(values > float("-inf"), cols, width).sort(dim=1).values
+    return torch.where(cols < width, key_start[:, None] + cols, -1)
