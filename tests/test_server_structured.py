@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
+import deepserve
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
 from deepserve.core.structured import GrammarBackend, GrammarCompiler
@@ -215,18 +217,54 @@ async def test_responses_and_messages_constraints(client):
     assert events[-1][0] == "message_stop" and re.fullmatch(REGEX, text), text
 
 
-async def test_constrained_requests_run_without_thinking_unless_they_ask(aiohttp_client, chat_dir):  # noqa: F811
-    client = await aiohttp_client(make_app(chat_dir, default_thinking_mode=True))
-    text, reason = await chat_text(client, {"guided_choice": CHOICES}, stream=False)
-    assert reason == "stop" and text in CHOICES  # the content, not reasoning: thinking is off for this request
-    cases = [("/v1/chat/completions", {"messages": ASK, "thinking": {"type": "enabled"}, "guided_regex": REGEX},
-              "guided_regex"),
-             ("/v1/messages", {"messages": ASK, "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
-                               "output_format": {"type": "json_schema", "schema": POINT}}, "output_format")]
-    for path, body, field in cases:
-        r = await client.post(path, json={"model": MODEL, **body})
-        message = await error_message(r, 400)
-        assert field in message and "thinking" in message
+EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
+#: prompts in the shape the embedded model was trained on ("Write a Python function ..."), on which its greedy
+#: reasoning ends with </think> within a few dozen tokens
+TRAINED_ASKS = ["Write a Python function `add(a, b)`.\n\nReturn the sum of a and b.",
+                "Implement `parse_header(line)`: split a header line into name and value."]
+OP = {"type": "object", "additionalProperties": False, "required": ["name", "n"], "properties": {
+    "name": {"type": "string", "enum": ["add", "sub"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+async def test_a_constraint_with_thinking_applies_after_the_thinking_section(aiohttp_client):
+    """The embedded model in thinking mode: free reasoning, then the answer follows the constraint."""
+    client = await aiohttp_client(make_app(EMBEDDED, default_thinking_mode=True))
+    asks = [[{"role": "user", "content": text}] for text in TRAINED_ASKS]
+    for messages in asks:
+        r = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 80, "temperature": 0,
+            "thinking": {"type": "enabled"}, "structured_outputs": {"json": OP}})
+        message = (await r.json())["choices"][0]["message"]
+        assert r.status == 200 and message["reasoning_content"], message
+        with pytest.raises(ValueError):  # the reasoning itself is free text, not forced into the schema
+            json.loads(message["reasoning_content"])
+        jsonschema.validate(json.loads(message["content"]), OP)
+    r = await client.post("/v1/messages", json={
+        "model": MODEL, "messages": asks[0], "max_tokens": 80, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 1024}, "output_format": {"type": "json_schema", "schema": OP}})
+    body = await r.json()
+    assert r.status == 200 and [block["type"] for block in body["content"]] == ["thinking", "text"], body
+    jsonschema.validate(json.loads(body["content"][1]["text"]), OP)
+    # a constrained request that does not ask for thinking runs without it (the server's default is thinking)
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": asks[0], "max_tokens": 20,
+                                                         "temperature": 0, "guided_choice": CHOICES})
+    message = (await r.json())["choices"][0]["message"]
+    assert message["content"] in CHOICES and not message.get("reasoning_content")
+    assert await pages_all_free(client.app)
+
+
+async def test_a_request_picks_its_grammar_backend(client):
+    """`structured_outputs.backend` or `guided_decoding_backend` picks a backend per request; the server option
+    `structured_outputs_backend` is the default (llguidance here)."""
+    pytest.importorskip("outlines_core")
+    for fields, constraint in [({"structured_outputs": {"regex": REGEX, "backend": "outlines"}}, {"regex": REGEX}),
+                               ({"guided_json": POINT, "guided_decoding_backend": "outlines"}, {"json": POINT})]:
+        text, reason = await completion_text(client, fields, stream=False)
+        assert reason == "stop", (fields, text)
+        check(constraint, text)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_grammar": LARK,
+                                                    "guided_decoding_backend": "outlines"})
+    assert "outlines" in await error_message(r, 400, "guided_grammar", "invalid_structured_output")
 
 
 # -- errors ----------------------------------------------------------------------------------------------------------
@@ -256,8 +294,8 @@ BAD = [  # (path, fields, param, words the message must contain)
     ("/v1/chat/completions", {"guided_grammar": "root ::= [0-9"}, "guided_grammar", ["grammar"]),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "backend": "nope"}}, "structured_outputs",
      ["'nope'", "not registered"]),
-    ("/v1/chat/completions", {"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"},
-     "guided_choice", ["'xgrammar'", "not registered"]),
+    ("/v1/chat/completions", {"guided_choice": ["a"], "guided_decoding_backend": "xgrammer"},
+     "guided_choice", ["'xgrammer'", "not registered"]),
     ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs", ["choice", "non-empty"]),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "frob": 1}}, "structured_outputs", ["frob"]),
     ("/v1/completions", {"structured_outputs": {}}, "structured_outputs", ["exactly one"]),

@@ -236,7 +236,7 @@ async def test_the_async_engine_streams_constrained_output(demo_dir):
     ({"regex": "[a-"}, "invalid regex"),
     ({"grammar": "start: missing_rule"}, "invalid grammar"),
     ({"grammar": "root ::= [0-9"}, "invalid grammar"),
-    ({"choice": ["x"], "backend": "xgrammar"}, "'xgrammar' is not registered"),
+    ({"choice": ["x"], "backend": "nope"}, "'nope' is not registered"),
 ])
 def test_generate_refuses_an_invalid_constraint_before_anything_runs(demo_dir, structured, message):
     llm = make_llm(demo_dir)

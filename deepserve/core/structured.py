@@ -22,12 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: the kinds of constraint a request can ask for, as the keys of `structured_outputs`
 GRAMMAR_KINDS = ("json", "json_object", "regex", "grammar", "choice")
-_OPTIONS = ("backend", "compact_json", "ascii_classes")
+_OPTIONS = ("backend", "compact_json", "ascii_classes", "after_token")
 _DESCRIPTIONS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar",
                  "choice": "choice list"}
 
@@ -46,7 +46,9 @@ class GrammarSpec:
     the grammar (Lark, or GBNF/EBNF), the JSON list of choices, or "" for `json_object`. `backend` picks a
     grammar engine by its registered name (None: the engine's default). `compact_json`: JSON without free
     whitespace (the default; False allows whitespace between tokens). `ascii_classes`: `\\d`, `\\w`, `\\s` in
-    regexes match ASCII only (the default).
+    regexes match ASCII only (the default). `after_token`: the constraint starts after this token id is generated
+    (every token is allowed until then, that one included): a thinking model's `</think>`, so the reasoning is
+    free and the answer is constrained. None: from the first output token.
     """
 
     kind: str
@@ -54,6 +56,7 @@ class GrammarSpec:
     backend: str | None = None
     compact_json: bool = True
     ascii_classes: bool = True
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -65,16 +68,25 @@ class GrammarSpec:
         for name in ("compact_json", "ascii_classes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs {name!r} must be a bool, got {getattr(self, name)!r}")
+        token = self.after_token
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            raise ValueError(f"structured_outputs 'after_token' must be a token id (an int >= 0), got {token!r}")
 
     @classmethod
     def parse(cls, value: Any) -> GrammarSpec:
         """Validate the `structured_outputs` of `SamplingParams`: a `GrammarSpec`, or a dict with exactly one of
         `{"json": schema (dict or JSON text)}`, `{"regex": str}`, `{"grammar": str}`, `{"choice": [str, ...]}`,
-        `{"json_object": True}`, plus optional `backend`, `compact_json`, `ascii_classes`. Raises ValueError."""
+        `{"json_object": True}`, plus optional `backend`, `compact_json`, `ascii_classes`, `after_token`; or a
+        typed constraint (see `typed_constraint`: a Pydantic model class, an outlines type), alone or as the
+        value of its kind's key (`{"json": Model, "backend": "outlines"}`). Raises ValueError."""
         if isinstance(value, GrammarSpec):
             return value
+        typed = typed_constraint(value)
+        if typed is not None:
+            value = typed
         if not isinstance(value, Mapping):
-            raise ValueError(f"structured_outputs must be a dict such as {{'json': schema}}, got {value!r}")
+            raise ValueError(f"structured_outputs must be a dict such as {{'json': schema}}, a Pydantic model class "
+                             f"or an outlines type, got {value!r}")
         unknown = [k for k in value if k not in GRAMMAR_KINDS and k not in _OPTIONS]
         if unknown:
             raise ValueError(f"structured_outputs has unknown keys {unknown}; it takes one of "
@@ -84,6 +96,12 @@ class GrammarSpec:
             raise ValueError(f"structured_outputs needs exactly one of {list(GRAMMAR_KINDS)}, got {kinds or 'none'}")
         kind = kinds[0]
         options = {k: value[k] for k in _OPTIONS if k in value}
+        typed = typed_constraint(value[kind])
+        if typed is not None:  # {"json": Model, ...}: the typed value stands for its own kind and options
+            if kind not in typed:
+                raise ValueError(f"structured_outputs {kind!r} got a {type(value[kind]).__name__}, which is a "
+                                 f"{next(k for k in GRAMMAR_KINDS if k in typed)!r} constraint")
+            return cls.parse({**typed, **options})
         return cls(kind, _canonical_text(kind, value[kind]), **options)
 
     @property
@@ -94,6 +112,23 @@ class GrammarSpec:
     def choices(self) -> list[str]:
         """The choices of a `choice` spec."""
         return json.loads(self.spec) if self.kind == "choice" else []
+
+
+def typed_constraint(value: Any) -> dict[str, Any] | None:
+    """The `structured_outputs` dict a typed constraint stands for, or None when `value` is not one.
+
+    A Pydantic model class is its JSON schema (`model_json_schema()`). An outlines type (outlines >= 1.0,
+    `outlines.types`) maps through `deepserve.plugins.structured.outlines_types`: `JsonSchema` -> json, `Regex`
+    and every other regex term (`integer`, `either(...)`, ...) -> regex, `CFG` -> grammar (compiled as Lark by
+    the engine's default backend: outlines_core has no grammars), `Choice` of strings -> choice. Neither
+    Pydantic nor outlines is imported unless the value comes from it."""
+    if isinstance(value, type) and callable(getattr(value, "model_json_schema", None)):
+        return {"json": value.model_json_schema()}
+    if type(value).__module__.partition(".")[0] == "outlines":
+        from deepserve.plugins.structured.outlines_types import outlines_constraint  # imports outlines
+
+        return outlines_constraint(value)
+    return None
 
 
 def _canonical_text(kind: str, value: Any) -> str:
@@ -164,8 +199,115 @@ class GrammarMatcher(ABC):
         """Forget the last `num_tokens` consumed tokens (speculative decoding rejects draft tokens)."""
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next, whatever the model says (fast-forward); [] when none or unknown."""
+        """Tokens the grammar forces next, whatever the model says (fast-forward); [] when none or unknown.
+
+        Does not change the matcher: a caller that appends them consumes them like sampled tokens. Backends
+        that know (llguidance, xgrammar, outlines) override this; the list is at most a few dozen tokens."""
         return []
+
+    def fill_draft_masks(self, draft_tokens: Sequence[int], bitmask: Any, first_row: int) -> int:
+        """Verify speculative draft tokens against the grammar and fill the masks their verification samples with.
+
+        With k = len(draft_tokens) and n the returned count: n is the number of leading draft tokens the grammar
+        accepts in a row (0 <= n <= k). Row `first_row + i` of `bitmask` (from `GrammarBackend.allocate_bitmask`)
+        is filled, for i = 0..n, with the tokens allowed after `draft_tokens[:i]`: the mask to sample position i
+        of the verify step with. So rows first_row..first_row+n are written, n + 1 rows: when every draft is
+        accepted (n == k) the last one is the mask for the bonus token after them; when draft i = n is rejected,
+        row first_row + n is the mask that rejects it, which the verifier resamples with. Rows past
+        first_row + n are not written: a verifier never samples past the first rejected draft. A token outside
+        the bitmask's width counts as rejected.
+
+        The matcher ends in the state it started in (the accepted drafts are consumed, then rolled back): the
+        caller then `consume`s the tokens it keeps, as it does sampled ones. A matcher already in error accepts
+        nothing and fills row first_row as its `fill_bitmask` does. Uses `consume`, `fill_bitmask` and
+        `rollback`, so it holds for every backend; a token is consumed only when its row allows it, so the
+        matcher never enters an error state here.
+        """
+        num_accepted = 0
+        try:
+            for token in draft_tokens:
+                row = first_row + num_accepted
+                self.fill_bitmask(bitmask, row)
+                if self.is_error() or not _allows(bitmask, row, token) or not self.consume(token):
+                    return num_accepted
+                num_accepted += 1
+            self.fill_bitmask(bitmask, first_row + num_accepted)
+            return num_accepted
+        finally:
+            if num_accepted:
+                self.rollback(num_accepted)
+
+
+def _int32(value: int) -> int:
+    """`value`'s low 32 bits as a signed int32 (what an int32 bitmask word holds)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _allows(bitmask: Any, row: int, token: int) -> bool:
+    """Bit `token` of row `row` (the shared layout: bit j of word w is token 32 w + j)."""
+    words = bitmask[row]
+    return 0 <= token < 32 * len(words) and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
+
+
+class GatedMatcher(GrammarMatcher):
+    """A constraint that starts after a token: every token but EOS is allowed until `open_token` has been
+    consumed, then `inner` (a fresh matcher of the grammar) decides. That is a thinking model's constraint: free
+    reasoning up to `</think>`, then the constrained answer. EOS (`eos_token_ids`) is held back while the gate is
+    closed because ending there would end the request without the answer its constraint promises. Rollback
+    reaches back across the opening token (speculative decoding may reject it), closing the gate again with
+    `inner` back at its start."""
+
+    __slots__ = ("inner", "open_token", "eos_token_ids", "is_open", "num_before", "num_inner")
+
+    def __init__(self, inner: GrammarMatcher, open_token: int, eos_token_ids: Sequence[int] = ()) -> None:
+        self.inner, self.open_token, self.eos_token_ids = inner, open_token, tuple(eos_token_ids)
+        self.is_open = False
+        self.num_before = 0  # tokens consumed while closed, the opening token included
+        self.num_inner = 0  # tokens `inner` has consumed since the gate opened
+
+    def consume(self, token_id: int) -> bool:
+        if not self.is_open:
+            self.num_before += 1
+            self.is_open = token_id == self.open_token
+            return True
+        if not self.inner.consume(token_id):
+            return False
+        self.num_inner += 1
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        if self.is_open:
+            self.inner.fill_bitmask(bitmask, row)
+            return
+        bitmask[row] = -1  # every bit set: any token (the shared int32 layout)...
+        for token in self.eos_token_ids:  # ...but EOS
+            if token < 32 * len(bitmask[row]):
+                bitmask[row, token >> 5] &= _int32(~(1 << (token & 31)))
+
+    def is_terminated(self) -> bool:
+        return self.is_open and self.inner.is_terminated()
+
+    def is_error(self) -> bool:
+        return self.is_open and self.inner.is_error()
+
+    def error_message(self) -> str:
+        return self.inner.error_message() if self.is_open else ""
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_before + self.num_inner:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_before + self.num_inner} were "
+                             "consumed")
+        from_inner = min(num_tokens, self.num_inner)
+        if from_inner:
+            self.inner.rollback(from_inner)
+            self.num_inner -= from_inner
+        if num_tokens > from_inner:  # the opening token goes back too
+            self.is_open = False
+            self.num_before -= num_tokens - from_inner
+
+    def forced_tokens(self) -> list[int]:
+        return self.inner.forced_tokens() if self.is_open else []
 
 
 class GrammarBackend(ABC):
@@ -203,6 +345,33 @@ class GrammarBackend(ABC):
         return dead
 
 
+class GatedBackend(GrammarBackend):
+    """The backend of `GatedMatcher`s over `inner`'s: one per (inner backend, opening token), so one step's rows
+    of both kinds still fill in one `fill_bitmasks` call of the inner backend (in parallel where it can)."""
+
+    def __init__(self, inner: GrammarBackend, open_token: int, eos_token_ids: Sequence[int] = ()) -> None:
+        self.inner, self.open_token, self.eos_token_ids = inner, open_token, tuple(eos_token_ids)
+        self.name = inner.name
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        return self.inner.compile(spec)
+
+    def new_matcher(self, compiled: Any) -> GatedMatcher:
+        return GatedMatcher(self.inner.new_matcher(compiled), self.open_token, self.eos_token_ids)
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        return self.inner.allocate_bitmask(num_rows)
+
+    def fill_bitmasks(self, bitmask: Any, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[int]:
+        open_rows = []
+        for matcher, row in rows:
+            if matcher.is_open:
+                open_rows.append((matcher.inner, row))
+            else:
+                matcher.fill_bitmask(bitmask, row)
+        return self.inner.fill_bitmasks(bitmask, open_rows) if open_rows else []
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     """A compiled spec and the backend that compiled it (and makes its matchers)."""
@@ -238,6 +407,7 @@ class GrammarCompiler:
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_locks = {name: threading.Lock() for name in self.factories}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._gated_backends: dict[tuple[str, int], GatedBackend] = {}
 
     def backend_name(self, spec: GrammarSpec) -> str:
         name = spec.backend or self.default_backend
@@ -263,7 +433,10 @@ class GrammarCompiler:
 
     def submit(self, spec: GrammarSpec) -> Future:
         """Start compiling `spec` (or share the compile already cached). The future gives a `CompiledGrammar` or
-        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend."""
+        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend. A spec with `after_token`
+        shares the compile of the same spec without it; its matchers are `GatedMatcher`s."""
+        if spec.after_token is not None:
+            return self._gated(self.submit(replace(spec, after_token=None)), spec.after_token)
         name = self.backend_name(spec)
         key = (name, spec.kind, spec.spec, spec.compact_json, spec.ascii_classes)
         with self._lock:
@@ -284,6 +457,30 @@ class GrammarCompiler:
             return future.result(timeout=timeout)
         except FutureTimeout:
             raise GrammarError(timeout_message(spec, timeout)) from None
+
+    def _gated(self, compiling: Future, open_token: int) -> Future:
+        gated: Future = Future()
+
+        def done(future: Future) -> None:
+            if gated.cancelled():
+                return
+            if future.cancelled():
+                gated.cancel()
+            elif future.exception() is not None:
+                gated.set_exception(future.exception())
+            else:
+                compiled = future.result()
+                gated.set_result(replace(compiled, backend=self._gated_backend(compiled.backend, open_token)))
+
+        compiling.add_done_callback(done)
+        return gated
+
+    def _gated_backend(self, inner: GrammarBackend, open_token: int) -> GatedBackend:
+        with self._lock:
+            key = (inner.name, open_token)
+            if key not in self._gated_backends:
+                self._gated_backends[key] = GatedBackend(inner, open_token, self.tokenizer.eos_token_ids)
+            return self._gated_backends[key]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

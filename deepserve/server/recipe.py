@@ -7,7 +7,7 @@ leaves to its caller: which model names it serves, options the engine cannot hon
 the prompt-length check, the field a parse error is about, and structured output: the recipe's
 `output_constraint` (and the fields it does not read: see `deepserve.server.structured`) becomes the request's
 `SamplingParams.structured_outputs`. A constrained request runs without thinking unless it asks for thinking
-explicitly, which is refused for now (the engine cannot yet start a constraint after the thinking section).
+explicitly; then the constraint applies after the thinking section (`deepserve.server.structured.after_thinking`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import deepseek_recipe as dr
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.structured import GrammarSpec
 from deepserve.server.errors import ApiError, sampling_error
-from deepserve.server.structured import Constraint, anthropic_constraints, body_constraints, recipe_constraint, \
-    single, to_spec
+from deepserve.server.structured import THINKING_END, Constraint, after_thinking, anthropic_constraints, \
+    body_constraints, recipe_constraint, single, to_spec
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from deepserve.server.state import ModelInfo
@@ -91,6 +91,7 @@ class RecipeCodec:
         file = Path(model_dir) / "tokenizer.json"
         self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
+        self.thinking_end_ids = self.tokenizer.encode(THINKING_END) if self.tokenizer else []
         self.unavailable = self._probe()
 
     def _options(self, default_thinking_mode: bool) -> dr.ConversionOptions:
@@ -124,7 +125,9 @@ class RecipeCodec:
         constraint = _constraint(protocol, conv, body)
         spec = to_spec(constraint) if constraint is not None else None
         if constraint is not None and conv.conversation.thinking_mode:
-            conv = self._constrained_conversion(protocol, raw, body, constraint)
+            conv = self._constrained_conversion(protocol, raw, body, conv)
+            if conv.conversation.thinking_mode:  # asked for: the answer after the thinking is constrained
+                spec = after_thinking(spec, self.thinking_end_ids, constraint.field)
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
         max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)
@@ -140,18 +143,13 @@ class RecipeCodec:
                         constraint.field if constraint is not None else None)
 
     def _constrained_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any],
-                                constraint: Constraint) -> dr.ConversationRequest:
-        """The conversion of a constrained request without thinking; 400 when the request asks for thinking.
-        (The engine applies a constraint from the first output token: in thinking mode that is the reasoning.)"""
-        conv = None
-        if self.options_without_thinking is not None:  # thinking came from the server's default: convert again
-            request = _recipe(lambda: protocol.request_type(raw), protocol, body)
-            conv = _recipe(lambda: request.convert(self.options_without_thinking), protocol, body)
-        if conv is None or conv.conversation.thinking_mode:
-            raise ApiError(400, f"'{constraint.field}' asks for structured output, which this server cannot "
-                           "combine with thinking mode yet: disable thinking for this request",
-                           param=constraint.field, code="unsupported")
-        return conv
+                                conv: dr.ConversationRequest) -> dr.ConversationRequest:
+        """The conversion of a constrained request: without thinking when thinking came from the server's default
+        (a constrained answer then starts at once), in thinking mode when the request asked for it."""
+        if self.options_without_thinking is None:
+            return conv
+        request = _recipe(lambda: protocol.request_type(raw), protocol, body)
+        return _recipe(lambda: request.convert(self.options_without_thinking), protocol, body)
 
 
 def _check_conversation(protocol: Protocol, conv: dr.ConversationRequest) -> None:

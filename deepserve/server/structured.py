@@ -14,6 +14,13 @@ Where a request can ask (exactly one of them per request; two are a 400 that nam
   "choice": ..., "backend": ...}`, see `deepserve.core.structured.GrammarSpec.parse`) and its older
   `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (with `guided_decoding_backend`).
 
+A constrained request in thinking mode (it asked for thinking: see `deepserve.server.recipe`) is constrained after
+its thinking section: `after_thinking` sets the spec's `after_token` to the id of `</think>`, so the reasoning is
+free and the answer follows the constraint.
+
+The backend: the server's `--structured-outputs-backend` (the engine's default), or per request
+`structured_outputs.backend` / `guided_decoding_backend`; an unknown one is a 400 naming it.
+
 `compile_grammar` compiles on the engine's grammar compiler (its thread pool and cache; the engine then finds the
 grammar ready) and turns an invalid schema, regex or grammar, an unknown backend or a compile past
 `grammar_compile_timeout` into a 400 naming the problem. A grammar that fails while generating (a dead end: no
@@ -25,8 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deepserve.core.outputs import CompletionOutput
@@ -51,6 +58,8 @@ EXTENSION_FIELDS = ("structured_outputs", *GUIDED_FIELDS, BACKEND_FIELD)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex")
 #: the status of a response whose grammar failed while generating (the request itself was valid)
 GRAMMAR_FAILURE_STATUS = 422
+#: the text of the token that ends a thinking section in DeepSeek-V4's chat format
+THINKING_END = "</think>"
 
 
 @dataclass(slots=True)
@@ -174,6 +183,16 @@ def to_spec(constraint: Constraint) -> GrammarSpec:
         if constraint.field != "structured_outputs":
             message = message.replace("structured_outputs", f"'{constraint.field}' (as structured_outputs)", 1)
         raise ApiError(400, message, param=constraint.field) from None
+
+
+def after_thinking(spec: GrammarSpec, thinking_end_ids: Sequence[int], field: str) -> GrammarSpec:
+    """`spec` applied after the thinking section: from the token after `</think>` (`thinking_end_ids`: how the
+    model's tokenizer encodes `</think>`, which must be one token). 400 when the tokenizer has no such token."""
+    if len(thinking_end_ids) != 1:
+        raise ApiError(400, f"'{field}' asks for structured output after a thinking section, but this model's "
+                       f"tokenizer has no single {THINKING_END} token: disable thinking for this request",
+                       param=field, code="unsupported")
+    return replace(spec, after_token=thinking_end_ids[0])
 
 
 async def compile_grammar(engine: Any, spec: GrammarSpec, field: str) -> None:
