@@ -88,11 +88,36 @@ def test_sampling_params_turn_each_kind_into_a_canonical_spec():
     ({"choice": ["a", 1]}, "only strings"),
     ({"regex": "a", "backend": ""}, "'backend'"),
     ({"regex": "a", "compact_json": "yes"}, "'compact_json' must be a bool"),
+    ({"regex": "a", "after_token": -1}, "'after_token' must be a token id"),
+    ({"regex": "a", "after_token": True}, "'after_token' must be a token id"),
+    (object(), "a Pydantic model class or an outlines type"),
     ("a+", "must be a dict"),
 ])
 def test_malformed_structured_outputs_are_refused_naming_the_problem(value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(structured_outputs=value)
+
+
+def test_pydantic_models_and_outlines_types_are_constraints():
+    pydantic = pytest.importorskip("pydantic")
+    types = pytest.importorskip("outlines.types")
+
+    class Item(pydantic.BaseModel):
+        name: str
+        count: int
+
+    schema = Item.model_json_schema()
+    parse = GrammarSpec.parse
+    assert parse(Item) == parse({"json": schema}) == parse(types.JsonSchema(Item))
+    assert parse({"json": Item, "backend": "outlines", "after_token": 7}) == GrammarSpec(
+        "json", parse({"json": schema}).spec, "outlines", after_token=7)
+    assert parse(types.JsonSchema({"type": "object"}, whitespace_pattern=" ?")).compact_json is False
+    assert parse(types.Regex("[0-9]+")) == parse({"regex": "([0-9]+)"})  # outlines' regex of the term
+    assert parse(types.either("ab", "c")).kind == "regex"
+    assert parse(types.CFG('start: "x"')) == parse({"grammar": 'start: "x"'})
+    assert parse(types.Choice(["x", "y"])) == parse({"choice": ["x", "y"]})
+    with pytest.raises(ValueError, match="'json' got a Regex, which is a 'regex' constraint"):
+        parse({"json": types.Regex("a")})
 
 
 # -- the compiler and the llguidance backend ---------------------------------------------------------------------

@@ -348,3 +348,56 @@ def test_a_grammar_dead_end_finishes_the_request_with_a_reason(test_backends):
     assert out.finish_reason == "abort" and out.stop_reason == "structured output: dead end: nothing may follow 'ab'"
     assert out.text == "ab"
     assert_everything_free(llm)
+
+
+# -- the other backends and the typed constraints -------------------------------------------------------------------
+def backend_suite(backend: str) -> list[SamplingParams]:
+    """The suite's constraints on `backend` (grammars are llguidance's and xgrammar's only)."""
+    out = [p for p in suite() if backend != "outlines" or p.structured_outputs.kind != "grammar"]
+    out = [p for p in out if backend != "xgrammar" or p.structured_outputs.spec != LARK]
+    return [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=p.max_tokens,
+                           structured_outputs={**_as_dict(p.structured_outputs), "backend": backend}) for p in out]
+
+
+def _as_dict(spec) -> dict:
+    return {spec.kind: json.loads(spec.spec) if spec.kind in ("json", "choice") else spec.spec or True}
+
+
+@pytest.mark.parametrize("backend", ["outlines", "xgrammar"])
+def test_other_backends_satisfy_their_constraints_through_the_engine(real_llm, backend):
+    pytest.importorskip({"outlines": "outlines_core", "xgrammar": "xgrammar"}[backend])
+    params = backend_suite(backend)
+    prompts = [f"Answer {i}:" for i in range(len(params))]
+    outs = generate(real_llm, prompts, params)
+    for p, out in zip(params, outs):
+        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
+        check(p, out.text)
+    for p, prompt, batched in list(zip(params, prompts, outs))[::4]:
+        assert generate(real_llm, [prompt], p)[0].token_ids == batched.token_ids
+    free = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    mixed = generate(real_llm, ["c", "The free one"], [params[0], free])
+    assert mixed[1].token_ids == generate(real_llm, ["The free one"], free)[0].token_ids
+    assert_everything_free(real_llm)
+
+
+def test_pydantic_models_and_outlines_types_constrain_offline(demo_llm):
+    outlines_types = pytest.importorskip("outlines.types")
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal
+
+    class Point(pydantic.BaseModel):
+        kind: Literal["a", "b"]
+        n: int = pydantic.Field(ge=0, le=99)
+
+    constraints = [Point, {"json": Point, "backend": "outlines"}, outlines_types.JsonSchema(Point),
+                   outlines_types.Regex(REGEXES[0]), outlines_types.either("yes", "no"),
+                   outlines_types.CFG(LARK), outlines_types.Choice(CHOICES)]
+    params = [constrained(c) for c in constraints]
+    outs = generate(demo_llm, [f"t{i}" for i in range(len(params))], params)
+    for p, out in zip(params, outs):
+        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
+    for out in outs[:3]:
+        Point.model_validate_json(out.text)
+    assert re.fullmatch(REGEXES[0], outs[3].text) and outs[4].text in ("yes", "no") and outs[6].text in CHOICES
+    lark.Lark(LARK).parse(outs[5].text)
+    assert params[1].structured_outputs.backend == "outlines"
