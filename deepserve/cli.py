@@ -37,6 +37,21 @@ def default_model() -> str:
     return model
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The `LLM` options `deepserve serve` builds its engine with (validated: a bad value raises ValueError)."""
+    from deepserve.core.config import SpeculativeConfig
+
+    engine_kwargs = dict(dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    if args.kv_cache_bytes is not None:
+        engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
+        engine_kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
+    return engine_kwargs
+
+
 def _serve(args: argparse.Namespace) -> int:
     from deepserve.core.env import env_value
     from deepserve.server import ServerConfig, run_server
@@ -45,12 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model} does not exist")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
-    engine_kwargs = dict(dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
-                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
-    if args.kv_cache_bytes is not None:
-        engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
+    engine_kwargs = engine_options(args)
     config = ServerConfig(model=model, served_model_name=args.served_model_name,
                           api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
@@ -89,6 +99,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--grammar-compile-timeout", type=float, default=None,
                        help="seconds a request's structured-output constraint may take to compile; past it: 400 "
                        "(default: 10)")
+    serve.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
+                       '(methods: mtp = fixed-k MTP drafts, dspark = confidence-planned verify lengths; default: '
+                       '$DEEPSERVE_SPECULATIVE_CONFIG, else off)')
     serve.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on shutdown")

@@ -46,6 +46,10 @@ class LLM:
     `structured_outputs_backend` unless a request names another; grammars compile on
     `grammar_compile_workers` threads and a request whose grammar takes longer than `grammar_compile_timeout`
     seconds fails.
+
+    `speculative_config` (vLLM's shape, `{"method": "mtp" | "dspark", "num_speculative_tokens": 5}`, a JSON
+    string, or `DEEPSERVE_SPECULATIVE_CONFIG`) turns on speculative decoding with a proposer registered through
+    `deepserve_register_proposers`; it runs the engine without asynchronous scheduling (docs/speculative.md).
     """
 
     def __init__(
@@ -69,18 +73,23 @@ class LLM:
         structured_outputs_backend: str = "llguidance",
         grammar_compile_timeout: float = 10.0,
         grammar_compile_workers: int = 2,
+        speculative_config: Any = None,
     ) -> None:
         from deepserve.model.factory import load_model
         from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
         from deepserve.model.runner import ModelRunner
         from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+        from deepserve.core.env import env_value
 
         model = model if model is not None else default_model_dir()
         if model is None:
             raise ValueError("no model given: pass LLM(model=PATH) or set DEEPSERVE_MODEL (or DEEPINFER_HF_MODEL_DIR);"
                              " the embedded default model is not installed")
+        if speculative_config is None:
+            speculative_config = env_value("DEEPSERVE_SPECULATIVE_CONFIG")
         self.config = EngineConfig(model=str(model), dtype=dtype, accelerator=accelerator, device=device, seed=seed,
-                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                   speculative_config=speculative_config)
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -91,31 +100,46 @@ class LLM:
         cfg = self.model.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.tokenizer = Tokenizer(model, cfg) if (Path(model) / "tokenizer.json").is_file() else None
+        self.proposer = self._proposer(self.config.speculative_config, model)
 
         weight_dtype = self.model.lm_head.weight.dtype
-        page_bytes = bytes_per_page(self.model, block_size, weight_dtype)
+        with_mtp = self.proposer is not None
+        page_bytes = bytes_per_page(self.model, block_size, weight_dtype, with_mtp)
         budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_budget(gpu_memory_utilization)
         needed = max_num_seqs * math.ceil(self.max_model_len / block_size)
         num_pages = min(pages_for_budget(budget, page_bytes), needed)
         self.kv_manager = KVCacheManager(num_pages, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache(self.model, num_pages, block_size, max_num_seqs)
+        self.cache = PagedKVCache(self.model, num_pages, block_size, max_num_seqs, with_mtp=with_mtp)
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_pages, block_size, num_pages * block_size)
         self.cost_model = StepCostModel(CostModelConfig(step_time_target=step_time_target))
         scheduler = Scheduler(self.kv_manager, self.cost_model, max_num_seqs, max_num_batched_tokens,
                               self.max_model_len, cfg.eos_token_ids)
+        spec = self.config.speculative_config
         decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else None
         detok = (lambda ids, skip: IncrementalDetokenizer(self.tokenizer, ids, skip)) if self.tokenizer else None
-        self.runner = ModelRunner(self.model, self.backend, self.cache, decode)
+        self.runner = ModelRunner(self.model, self.backend, self.cache, decode, proposer=self.proposer)
         grammars = self._grammar_compiler(structured_outputs_backend, grammar_compile_timeout,
                                           grammar_compile_workers)
         self.engine = EngineCore(scheduler, self.runner, page_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, make_detokenizer=detok,
                                  cost_model=self.cost_model, async_scheduling=async_scheduling, seed=seed,
-                                 grammars=grammars)
+                                 grammars=grammars,
+                                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                 verify_planner=self.proposer.planner if self.proposer else None)
         self._ids = itertools.count()
         self.async_owner = None  # set by AsyncEngine.from_pretrained: the engine thread then owns the core
         logger.info("deepserve: %s on %s (%s), max_model_len %d", model, self.backend.device, self.backend.name,
                     self.max_model_len)
+
+    def _proposer(self, spec, model_dir):
+        """The speculative proposer that `spec.method` names among the `deepserve_register_proposers` plugins."""
+        if spec is None:
+            return None
+        factories = collect_registrations(self.plugin_manager, "deepserve_register_proposers")
+        if spec.method not in factories:
+            raise ValueError(f"speculative_config.method {spec.method!r} is not a registered proposer; "
+                             f"available: {sorted(factories)}")
+        return factories[spec.method](model=self.model, config=spec, model_dir=str(model_dir))
 
     def _grammar_compiler(self, backend: str, timeout: float, workers: int) -> GrammarCompiler | None:
         """The structured-output compiler over the grammar backend plugins, or None without a tokenizer."""

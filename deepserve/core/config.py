@@ -320,6 +320,48 @@ def _rope_configs(d: dict[str, Any], rope_dim: int) -> tuple[RopeConfig, RopeCon
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's shape: `{"method": "mtp" | "dspark", "num_speculative_tokens": 5}`.
+
+    `method` names a proposer registered through `deepserve_register_proposers` (built-in: `mtp`, fixed-k
+    verification of the MTP block's drafts; `dspark`, the same drafts with confidence-planned verify lengths).
+    """
+
+    method: str
+    num_speculative_tokens: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"speculative_config.method must be a non-empty string such as 'mtp' or 'dspark', "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..16, got {k!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From None, a `SpeculativeConfig`, a dict, or its JSON text (the CLI option and the environment)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict like {{\"method\": \"mtp\"}}, got {value!r}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; the fields are 'method' and "
+                             "'num_speculative_tokens'")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required ('mtp' or 'dspark')")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Options of one engine instance, as given to `LLM(...)` or `deepserve serve`.
@@ -335,8 +377,10 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.accelerator, str) or not self.accelerator:

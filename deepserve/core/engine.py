@@ -9,6 +9,13 @@ Structured output rides the same pipeline: once step N-1's samples are applied, 
 matcher consumes its new token and fills its row of step N's token bitmask, which the runner (already running
 N's forward) waits for just before sampling. Grammars compile on the `GrammarCompiler`'s threads; a request
 whose grammar is not ready prefills but does not sample (the scheduler stops it short).
+
+Speculative decoding (`num_speculative_tokens` > 0): the runner drafts after every step and the next step
+verifies the drafts. A step's plan needs the previous step's kept count and drafts, so speculation runs the
+pipeline synchronously (asynchronous scheduling is switched off while it is on). Requests with a grammar,
+with `logprobs`, or still under `min_tokens` do not draft (they decode one token per step as before). With a
+verify planner (DSpark) the scheduler trims every request's drafts to the planned length before each step,
+and the planner's step-time curve learns from every step's size and duration.
 Plain Python: the runner is reached only through `ModelExecutor`.
 """
 
@@ -48,6 +55,33 @@ class EngineStats:
     step_seconds: list[float] = field(default_factory=list)
     mask_fill_seconds: list[float] = field(default_factory=list)
     mask_wait_seconds: list[float] = field(default_factory=list)
+    spec: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding since start. A *sequence-step* is one decoding request in one step (it verifies 0..k
+    drafts and gains 1 + accepted tokens). `accepted_by_position[j]` / `verified_by_position[j]` count draft
+    j + 1 over all sequence-steps: their ratio is the acceptance rate at that draft position."""
+
+    num_seq_steps: int = 0
+    num_draft_tokens: int = 0
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verified_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def record(self, num_verified: int, num_accepted: int) -> None:
+        self.num_seq_steps += 1
+        self.num_verified_tokens += num_verified
+        self.num_accepted_tokens += num_accepted
+        grow = num_verified - len(self.verified_by_position)
+        if grow > 0:
+            self.verified_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for j in range(num_verified):
+            self.verified_by_position[j] += 1
+            self.accepted_by_position[j] += j < num_accepted
 
 
 @dataclass(slots=True)
@@ -73,8 +107,17 @@ class EngineCore:
         async_scheduling: bool = True,
         seed: int = 0,
         grammars: GrammarCompiler | None = None,
+        num_speculative_tokens: int = 0,
+        verify_planner=None,
     ) -> None:
+        """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
+        `verify_planner`: DSpark's planner (`plan(confidences) -> lengths`, `observe(num_tokens, seconds)`)."""
         self.scheduler, self.executor, self.cost_model = scheduler, executor, cost_model
+        self.num_speculative_tokens, self.verify_planner = num_speculative_tokens, verify_planner
+        if num_speculative_tokens:
+            async_scheduling = False  # the next plan needs this step's kept drafts (see the module docstring)
+        if verify_planner is not None:
+            scheduler.verify_planner = verify_planner.plan
         self.grammars = grammars  # None: this engine refuses structured-output requests
         self.page_size, self.enable_prefix_caching = page_size, enable_prefix_caching
         self.make_detokenizer = make_detokenizer
@@ -185,10 +228,22 @@ class EngineCore:
             if self.enable_prefix_caching:
                 P = self.page_size
                 snaps = tuple((b, table[b // P - 1]) for b in range((c.start // P + 1) * P, end + 1, P))
+            speculate = next_token = None
+            if self.num_speculative_tokens:
+                speculate = self.num_speculative_tokens if c.samples and self._may_draft(tracker) else 0
+                if not c.samples:
+                    next_token = request.all_token_ids[end]
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
-                                     blocked, targets, snaps))
+                                     blocked, targets, snaps, c.num_draft_tokens, next_token, speculate or 0))
         return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids,
                          masks.masks if masks is not None else None)
+
+    def _may_draft(self, tracker: RequestTracker) -> bool:
+        """Requests whose next tokens need per-token host work do not draft: grammars (the matcher API has no
+        draft masks yet), logprobs, and min_tokens still blocking stop ids."""
+        request, params = tracker.request, tracker.request.sampling_params
+        return (tracker.grammar is None and params.logprobs is None
+                and request.num_output_tokens + 1 >= params.min_tokens)
 
     def _finish(self, plan: SchedulerOutput, future: Future) -> list[RequestOutput]:
         out: StepOutput = future.result()
@@ -199,7 +254,12 @@ class EngineCore:
         if self.cost_model is not None and plan.chunks:
             seconds = max(out.seconds - out.mask_wait_seconds, 1e-9)  # the model's time, not the host's
             self.cost_model.observe([(len(c.token_ids), c.start) for c in plan.chunks], seconds)
-        self.scheduler.update_from_output(plan, out.sampled)
+        if self.verify_planner is not None and plan.chunks:
+            self.verify_planner.observe(plan.num_scheduled_tokens, max(out.seconds - out.mask_wait_seconds, 1e-9))
+        if self.num_speculative_tokens:
+            self._record_speculation(plan, out)
+        self.scheduler.update_from_output(plan, out.sampled, out.num_accepted, out.draft_token_ids,
+                                          out.draft_confidences)
         touched: dict[str, RequestTracker] = {}
         for c in plan.chunks:
             tracker = self._trackers.get(c.request_id)
@@ -209,6 +269,8 @@ class EngineCore:
                 tracker.add_prompt_logprobs(c.start, out.prompt_logprobs[c.request_id])
             if c.samples and tracker.absorb(out.logprobs.get(c.request_id), out.sampled_logprobs.get(c.request_id)):
                 self.stats.num_generation_tokens += 1
+                while tracker.stop_match is None and tracker.absorb(None, None):  # kept drafts: several tokens
+                    self.stats.num_generation_tokens += 1
             if c.start + len(c.token_ids) >= tracker.request.num_prompt_tokens > c.start:
                 self.stats.num_prompt_tokens += tracker.request.num_prompt_tokens - tracker.request.num_cached_tokens
             touched[c.request_id] = tracker
@@ -223,6 +285,14 @@ class EngineCore:
             if tracker.request.is_finished:
                 del self._trackers[request_id]
         return [t.output() for t in touched.values()]
+
+    def _record_speculation(self, plan: SchedulerOutput, out: StepOutput) -> None:
+        spec = self.stats.spec
+        for c in plan.chunks:
+            request = self.scheduler.requests.get(c.request_id)
+            if c.samples and request is not None and c.start >= request.num_prompt_tokens:  # a decode
+                spec.record(c.num_draft_tokens, out.num_accepted.get(c.request_id, 0))
+        spec.num_draft_tokens += sum(map(len, out.draft_token_ids.values()))
 
     # -- structured output ---------------------------------------------------------------------------------------
     def _check_grammars(self) -> list[RequestOutput]:

@@ -43,6 +43,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",
         ),
         EnvVar(
+            "DEEPSERVE_SPECULATIVE_CONFIG",
+            None,
+            "Speculative decoding when `LLM(speculative_config=...)` / `--speculative-config` is not given: JSON "
+            "such as `{\"method\": \"mtp\", \"num_speculative_tokens\": 5}` (methods: `mtp`, `dspark`).",
+        ),
+        EnvVar(
             "DEEPSERVE_PLUGINS",
             None,
             "Allowlist of third-party plugins: comma-separated distribution or entry-point names. Unset loads "

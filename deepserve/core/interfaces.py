@@ -157,6 +157,11 @@ class ChunkInput:
     token from the last position's logits, with `params` and `seed`, never drawing `blocked_token_ids`.
     `prompt_targets`: for prompt-logprob requests, the next prompt token of each leading chunk position.
     `snapshots`: (page boundary, page) pairs inside (start, end] at which to save prefix-hit state.
+
+    Speculative decoding: the last `num_draft_tokens` entries of `token_ids` are drafts to verify (the chunk
+    samples; the runner keeps a prefix of them and rolls its state back past the rest). `next_token_id` is the
+    token after the chunk when the chunk does not sample (the drafter pairs every position with its next
+    token). `num_speculative_tokens`: how many tokens to draft for this request after the step (0: none).
     """
 
     request_id: str
@@ -169,6 +174,9 @@ class ChunkInput:
     blocked_token_ids: tuple[int, ...] = ()
     prompt_targets: tuple[int, ...] = ()
     snapshots: tuple[tuple[int, int], ...] = ()
+    num_draft_tokens: int = 0
+    next_token_id: int | None = None
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +206,10 @@ class StepInput:
 @dataclass(slots=True)
 class StepOutput:
     """What a step produced, per request id. `seconds`: wall time of the step on the runner (cost model), of
-    which `mask_wait_seconds` waiting for the host's grammar masks."""
+    which `mask_wait_seconds` waiting for the host's grammar masks.
+
+    Speculative decoding: `num_accepted` is how many of a verifying chunk's drafts were kept (its `sampled`
+    token follows them); `draft_token_ids` / `draft_confidences` are the drafts made for the next step."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
@@ -206,6 +217,9 @@ class StepOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     seconds: float = 0.0
     mask_wait_seconds: float = 0.0
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ModelExecutor(ABC):

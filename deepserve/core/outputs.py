@@ -94,7 +94,9 @@ class RequestOutput:
     """The state of one request as returned to the user (final, or a streaming snapshot when not `finished`).
 
     `prompt_logprobs` has one entry per prompt token and the first is None (nothing predicts the first token),
-    as in vLLM. `num_cached_tokens` counts prompt tokens served from the prefix cache.
+    as in vLLM. `num_cached_tokens` counts prompt tokens served from the prefix cache. With speculative decoding,
+    `num_draft_tokens`, `num_verified_tokens` and `num_accepted_tokens` count the request's drafts made, checked
+    by the target model, and kept (0 without speculation).
     """
 
     request_id: str
@@ -105,6 +107,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_draft_tokens: int = 0
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_cached_tokens < 0:

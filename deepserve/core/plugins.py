@@ -31,6 +31,7 @@ DEFAULT_PLUGINS: list[str] = [
     "deepserve.backends.nvidia.plugin",
     "deepserve.backends.ascend.plugin",
     "deepserve.plugins.structured.plugin",
+    "deepserve.plugins.speculative.plugin",
 ]
 
 #: accelerator names the built-in backend plugins answer to

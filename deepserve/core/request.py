@@ -41,12 +41,18 @@ class Request:
     the prompt prefix found in the prefix cache at first admission (0 until then). `stop_reason` is the stop
     token id that ended the request, if one did. `awaiting_grammar`: its structured-output grammar is still
     compiling, so it may prefill but not sample yet (the engine clears it when the grammar is ready).
+
+    Speculative decoding: `spec_token_ids` are drafts for the positions after the last token (with
+    `spec_confidences`, when the drafter estimates them); the next step verifies them as extra tokens of the
+    catch-up. `num_draft_tokens`, `num_verified_tokens`, `num_accepted_tokens` count drafts made, verified
+    and kept over the request's life.
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "cache_salt", "arrival_order", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason", "stop_reason",
-        "num_pending_tokens", "awaiting_grammar",
+        "num_pending_tokens", "awaiting_grammar", "spec_token_ids", "spec_confidences", "num_draft_tokens",
+        "num_verified_tokens", "num_accepted_tokens",
     )
 
     def __init__(
@@ -72,6 +78,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.awaiting_grammar = False
+        self.spec_token_ids: list[int] = []
+        self.spec_confidences: list[float] = []
+        self.num_draft_tokens = self.num_verified_tokens = self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -100,4 +100,7 @@ class RequestTracker:
         return RequestOutput(request_id=request.request_id, prompt=self.prompt,
                              prompt_token_ids=list(request.prompt_token_ids), prompt_logprobs=prompt_logprobs,
                              outputs=[completion], finished=request.is_finished,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens,
+                             num_draft_tokens=request.num_draft_tokens,
+                             num_verified_tokens=request.num_verified_tokens,
+                             num_accepted_tokens=request.num_accepted_tokens)

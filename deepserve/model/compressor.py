@@ -47,6 +47,7 @@ class _Pooler(nn.Module):
         held = chunk.start % m
         kv = torch.cat((state.open_kv[:held], kv))
         gate = torch.cat((state.open_gate[:held], gate))
+        state.record(chunk.start - held, kv, gate)  # speculative passes keep it for a rollback
         closed = kv.shape[0] // m
         rest = kv.shape[0] - closed * m
         state.open_kv[:rest] = kv[closed * m :]

@@ -11,6 +11,9 @@ the raw window rows of [B - window, B) and the CSA overlap state at B. These are
 forward pass crosses a page boundary, each layer copies its window tail and overlap state at that boundary into
 the page's snapshot slot, and a prefix hit at B restores them from the last hit page. The open compression
 blocks are empty at a page boundary because the page size is a multiple of every compression ratio.
+
+With speculative decoding (`with_mtp`), the MTP blocks' window rings get slots and page snapshots the same way
+(they are window-only layers), so a prefix hit restores the drafter's state too.
 """
 
 from __future__ import annotations
@@ -110,11 +113,13 @@ class _LayerPools:
                 comp.prev_gate.copy_(comp.snap_prev_gate[page])
 
 
-def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype) -> int:
-    """Device bytes one page costs: every layer's rows for P tokens plus the page's boundary snapshot."""
+def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype, with_mtp: bool = False) -> int:
+    """Device bytes one page costs: every layer's rows for P tokens plus the page's boundary snapshot (and the
+    MTP blocks' window snapshot when `with_mtp`)."""
     item = torch.tensor([], dtype=dtype).element_size()
     total = 0
-    for spec in model.state_specs()[0]:
+    main, mtp = model.state_specs()
+    for spec in main + (mtp if with_mtp else []):
         total += spec.window * spec.width * item
         for s in spec.streams():
             total += (page_size // s.ratio) * s.dim * item + (2 * s.ratio * s.dim * 4 if s.overlap else 0)
@@ -125,8 +130,8 @@ class PagedKVCache:
     """Pools for `num_pages` pages of `page_size` tokens and `num_slots` concurrent sequences."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype | None = None, device=None) -> None:
-        main, _ = model.state_specs()
+                 dtype: torch.dtype | None = None, device=None, with_mtp: bool = False) -> None:
+        main, mtp = model.state_specs()
         for spec in main:
             if spec.window > page_size:
                 raise ValueError(f"page_size {page_size} must be at least the sliding window {spec.window}")
@@ -137,9 +142,11 @@ class PagedKVCache:
         device = device or model.lm_head.weight.device
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device) for s in main]
+        self.mtp_layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device)
+                           for s in (mtp if with_mtp else [])]
         self._free_slots = list(range(num_slots - 1, -1, -1))
         logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,
-                    num_pages * bytes_per_page(model, page_size, dtype) / 2**20, num_slots)
+                    num_pages * bytes_per_page(model, page_size, dtype, with_mtp) / 2**20, num_slots)
 
     @property
     def num_free_slots(self) -> int:
@@ -154,11 +161,13 @@ class PagedKVCache:
             raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
         slot = self._free_slots.pop()
         layers = [pools.state(slot, table, num_cached_tokens) for pools in self.layers]
+        mtp_layers = [pools.state(slot, table, num_cached_tokens) for pools in self.mtp_layers]
         if num_cached_tokens:
             page = table[num_cached_tokens // self.page_size - 1]
-            for pools, st in zip(self.layers, layers):
+            for pools, st in zip(self.layers + self.mtp_layers, layers + mtp_layers):
                 pools.restore(st, page, num_cached_tokens)
-        return SequenceState(layers=layers, num_tokens=num_cached_tokens), slot
+        return SequenceState(layers=layers, mtp_layers=mtp_layers, num_tokens=num_cached_tokens,
+                             mtp_num_tokens=num_cached_tokens), slot
 
     def free_sequence(self, slot: int) -> None:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:

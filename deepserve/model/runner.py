@@ -5,6 +5,12 @@ pages the request's block table names). A step flattens every chunk into one `Fo
 ids from the previous step's samples without leaving the device, runs the model, samples every row in one call
 and copies the sampled ids to the host once. Rows of structured-output requests are masked just before
 sampling with the grammar bitmask the host filled while the forward ran (logprobs stay the model's own).
+
+With a speculative `Proposer`, a verifying chunk carries its drafts after its last token: the runner takes an
+undo of the sequence's state, computes the chunk, keeps the drafts the rejection rule accepts
+(`deepserve.model.verify`), rolls the state back past the rest (`SequenceUndo`), and then lets the proposer
+catch its drafter up on every chunk and draft the next tokens, all before the step returns. The step copies to
+the host twice: the kept counts and tokens (the drafter's batch layout depends on them), then the drafts.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from deepserve.core.outputs import make_logprob_dict
 from .batch import make_batch
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .kv_cache import PagedKVCache
+from .speculative import DraftChunk, Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
+from .verify import verify
 
 
 @dataclass(slots=True)
@@ -34,12 +42,15 @@ class _Seq:
 
 
 class ModelRunner(ModelExecutor):
-    def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, cache: PagedKVCache, decode=None) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, cache: PagedKVCache, decode=None,
+                 proposer: Proposer | None = None) -> None:
         self.model, self.backend, self.cache = model, backend, cache
         self.device = torch.device(backend.device)
         self.decode = decode  # token id -> text, for Logprob.decoded_token
+        self.proposer = proposer
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
+        self._draft_probs: dict[str, torch.Tensor] = {}  # q [k, V] of each request's pending drafts
 
     @property
     def num_free_slots(self) -> int:
@@ -54,20 +65,33 @@ class ModelRunner(ModelExecutor):
         began = time.perf_counter()
         for request_id in step.freed_request_ids:
             seq = self._seqs.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
             if seq is not None:
                 self.cache.free_sequence(seq.slot)
         if not step.chunks:
             return StepOutput(seconds=time.perf_counter() - began)
         chunks = step.chunks
         states = [self._state_for(c) for c in chunks]
-        rows = [range(len(c.token_ids)) if c.prompt_targets else [len(c.token_ids) - 1] for c in chunks]
+        rows = [range(len(c.token_ids)) if c.prompt_targets else
+                range(len(c.token_ids) - 1 - c.num_draft_tokens, len(c.token_ids)) for c in chunks]
         batch = make_batch([self._known_ids(c) for c in chunks], [c.start for c in chunks], self.device,
                            logits_rows=rows, snapshots=[c.snapshots for c in chunks])
         batch = self._fill_placeholders(batch, chunks)
-        logits = self.model(batch, states).logits
-        ends = torch.tensor([sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))], device=self.device)
+        undo = {i: SequenceUndo(states[i], c.start, len(c.token_ids)) for i, c in enumerate(chunks)
+                if c.num_draft_tokens}
+        forward = self.model(batch, states)
+        logits = forward.logits
+        last_rows = [sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))]
+        ends = torch.tensor(last_rows, device=self.device)
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if self.proposer is not None:
+            grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out) if sampling else None
+            kept = self._verify(logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
+            self._propose(forward.streams, batch, chunks, kept, out)
+            self._prompt_logprobs(logits, rows, chunks, out)
+            out.seconds = time.perf_counter() - began
+            return out
         if sampling:
             grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out)
             tokens = self._sample(logits[ends[sampling]], [chunks[i] for i in sampling], grammar)
@@ -119,6 +143,97 @@ class ModelRunner(ModelExecutor):
         row_of = {chunk_index: row for row, chunk_index in enumerate(sampling)}
         rows = [row_of[i] for i in masks.chunk_indices]
         return rows, mask_bias(bitmask, vocab_size, self.device)
+
+    def _verify(self, logits, last_rows: list[int], chunks, sampling: list[int], grammar, undo, out: StepOutput):
+        """Keep or reject the drafts of every sampling chunk, sample the token after them, roll back. Returns
+        {chunk index: number of its tokens the state keeps}."""
+        picked = [chunks[i] for i in sampling]
+        num_drafts = [c.num_draft_tokens for c in picked]
+        row_index = [r for i, k in zip(sampling, num_drafts) for r in range(last_rows[i] - k, last_rows[i] + 1)]
+        rows = logits[torch.tensor(row_index, device=self.device)]
+        bonus = torch.tensor([sum(num_drafts[: n + 1]) + n for n in range(len(picked))], device=self.device)
+        rows[bonus] = self._masked(rows[bonus], picked, grammar)  # min_tokens and grammar rows never draft
+        sampling_rows = self._row_sampling(picked).repeat_rows(num_drafts)
+        positions = [c.start + len(c.token_ids) - k + j for c, k in zip(picked, num_drafts) for j in range(k + 1)]
+        draft_ids = [t for c, k in zip(picked, num_drafts) for t in c.token_ids[len(c.token_ids) - k:] + (0,)]
+        probs = None
+        if any(k and c.params.temperature > 0 for c, k in zip(picked, num_drafts)):
+            probs = torch.zeros_like(rows)
+            at = 0
+            for c, k in zip(picked, num_drafts):
+                if k:
+                    probs[at : at + k] = self._draft_probs[c.request_id][:k]
+                at += k + 1
+        num_kept, tokens = verify(self.backend, rows, sampling_rows, torch.tensor(positions, device=self.device),
+                                  num_drafts, torch.tensor(draft_ids, device=self.device), probs)
+        self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
+        kept_host, tokens_host = torch.stack((num_kept, tokens)).tolist()  # the step's first device-to-host copy
+        kept = {}
+        for i, c, k, a, token in zip(sampling, picked, num_drafts, kept_host, tokens_host):
+            out.sampled[c.request_id] = token
+            kept[i] = len(c.token_ids) - k + a
+            if k:
+                out.num_accepted[c.request_id] = a
+                if a < k:
+                    undo[i].rollback(c.start + kept[i])
+                else:
+                    undo[i].commit()
+        plain = [n for n, k in enumerate(num_drafts) if not k]  # logprobs: requests that ask for them never draft
+        if plain:
+            raw = logits[torch.tensor([last_rows[sampling[n]] for n in plain], device=self.device)]
+            self._logprobs(raw, tokens[plain], [picked[n] for n in plain], out)
+        return kept
+
+    def _propose(self, streams, batch, chunks, kept: dict[int, int], out: StepOutput) -> None:
+        """Catch the drafter up on every chunk's kept tokens and draft for the chunks that ask."""
+        todo = []
+        for i, (c, seq_chunk) in enumerate(zip(chunks, batch.chunks)):
+            n = kept.get(i, len(c.token_ids))
+            last = out.sampled.get(c.request_id) if c.samples else c.next_token_id
+            if last is None:
+                raise RuntimeError(f"request {c.request_id}: the drafter needs the token after its chunk")
+            end = c.start + n
+            todo.append(DraftChunk(
+                self._seqs[c.request_id].state, c.start, n, range(seq_chunk.offset, seq_chunk.offset + n),
+                list(c.token_ids[1:n]) + [last], c.num_speculative_tokens if c.samples else 0,
+                tuple((b, p) for b, p in c.snapshots if b <= end)))
+        drafting = [c for c, d in zip(chunks, todo) if d.num_drafts]
+        for c in chunks:
+            if c.samples:
+                self._draft_probs.pop(c.request_id, None)  # drafts are good for one step only
+        drafts = self.proposer.propose(streams, todo, self._row_sampling(drafting))
+        if drafts is None:
+            return
+        token_ids = drafts.token_ids.tolist()  # the step's second device-to-host copy
+        confidences = drafts.confidences.tolist() if drafts.confidences is not None else None
+        for d, c in enumerate(drafting):
+            self._draft_probs[c.request_id] = drafts.probs[d]
+            out.draft_token_ids[c.request_id] = token_ids[d]
+            if confidences is not None:
+                out.draft_confidences[c.request_id] = confidences[d]
+
+    def _row_sampling(self, chunks: list[ChunkInput]) -> RowSampling:
+        p = [c.params for c in chunks]
+
+        def col(values, dtype=None):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return RowSampling(col([x.temperature for x in p], torch.float32), col([x.top_k for x in p], torch.long),
+                           col([x.top_p for x in p], torch.float32), col([x.min_p for x in p], torch.float32),
+                           col([c.seed for c in chunks], torch.long))
+
+    def _masked(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
+        """The sampled rows' logits with min_tokens' blocked ids and the grammar masks applied (a copy)."""
+        blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]
+        if blocked:
+            r, t = zip(*blocked)
+            logits = suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
+        else:
+            logits = logits.clone()
+        if grammar is not None:
+            rows, bias = grammar
+            logits.index_add_(0, torch.tensor(rows, device=self.device), bias.to(logits.dtype))
+        return logits
 
     def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
         blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]

@@ -70,6 +70,17 @@ class WindowRing:
         slots = torch.arange(start, start + rows.shape[0], device=self.ring.device) % window
         self.ring[slots] = rows.to(self.ring.dtype)
 
+    def save(self, start: int, end: int) -> torch.Tensor:
+        """The rows that writing positions [start, end) will overwrite (positions start - window ..), for `undo`."""
+        return self.read(start, end)  # advanced indexing: already a copy
+
+    def undo(self, start: int, saved: torch.Tensor, keep_until: int) -> None:
+        """Put back the rows `save(start, ..)` returned for the positions from `keep_until` on: rejected
+        speculative writes leave the ring as it was for them."""
+        if keep_until < start + saved.shape[0]:
+            slots = torch.arange(keep_until, start + saved.shape[0], device=self.ring.device) % self.ring.shape[0]
+            self.ring[slots] = saved[keep_until - start :]
+
 
 class CompressorState:
     """Rows emitted so far plus the frontier of one compressor (main KV or indexer keys).
@@ -81,15 +92,71 @@ class CompressorState:
 
     `snap_prev_kv` / `snap_prev_gate` ([pages, ratio, dim], optional) receive the overlap state at page
     boundaries that the batch asks to snapshot, for prefix-cache hits at those boundaries.
+
+    `journal` is set while a speculative verify pass runs (`begin_journal`): the compressor then records the
+    projections it pooled, so that `rollback` can rewind the frontier to any position inside that pass.
     """
 
-    __slots__ = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate", "snap_prev_kv", "snap_prev_gate")
+    __slots__ = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate", "snap_prev_kv", "snap_prev_gate",
+                 "journal")
 
     def __init__(self, rows, open_kv, open_gate, prev_kv=None, prev_gate=None, snap_prev_kv=None, snap_prev_gate=None):
         self.rows = rows
         self.open_kv, self.open_gate = open_kv, open_gate
         self.prev_kv, self.prev_gate = prev_kv, prev_gate
         self.snap_prev_kv, self.snap_prev_gate = snap_prev_kv, snap_prev_gate
+        self.journal: FrontierJournal | None = None
+
+    def begin_journal(self) -> None:
+        """Start recording for a rollback: remember the row count and the overlap state as they are now."""
+        self.journal = FrontierJournal(
+            self.rows.num_rows,
+            self.prev_kv.clone() if self.prev_kv is not None else None,
+            self.prev_gate.clone() if self.prev_gate is not None else None,
+        )
+
+    def record(self, first_position: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """Called by the compressor with the open block's projections followed by the new tokens' ones:
+        positions `first_position ..`, fp32 [n, frontier_width]."""
+        if self.journal is not None:
+            self.journal.first_position, self.journal.kv, self.journal.gate = first_position, kv, gate
+
+    def rollback(self, num_tokens: int, ratio: int) -> None:
+        """Rewind to the state after the sequence's first `num_tokens` tokens, a length inside the journaled
+        pass: rows past `num_tokens // ratio` are dropped, the open block and (CSA) the overlap half are rebuilt
+        from the recorded projections or the state saved when the journal began. Ends the journal."""
+        j, self.journal = self.journal, None
+        if j is None or j.kv is None:
+            raise RuntimeError("rollback needs a journal that recorded a pass (begin_journal, then a forward)")
+        num_rows = num_tokens // ratio
+        if num_rows < j.num_rows or num_tokens < j.first_position:
+            raise ValueError(f"cannot roll back to {num_tokens} tokens: the journaled pass started later")
+        self.rows.truncate(num_rows)
+        block, rest = num_rows * ratio - j.first_position, num_tokens % ratio
+        self.open_kv[:rest] = j.kv[block : block + rest]
+        self.open_gate[:rest] = j.gate[block : block + rest]
+        if self.prev_kv is None:
+            return
+        if num_rows > j.num_rows:  # the last kept block closed in this pass: its Ca half is in the record
+            d = self.prev_kv.shape[-1]
+            self.prev_kv.copy_(j.kv[block - ratio : block, :d])
+            self.prev_gate.copy_(j.gate[block - ratio : block, :d])
+        else:
+            self.prev_kv.copy_(j.prev_kv)
+            self.prev_gate.copy_(j.prev_gate)
+
+
+@dataclass(slots=True)
+class FrontierJournal:
+    """What `CompressorState.rollback` needs: the row count and overlap half before a pass, and the projections
+    of the pass (positions `first_position ..`, starting at the open block's first token)."""
+
+    num_rows: int
+    prev_kv: torch.Tensor | None
+    prev_gate: torch.Tensor | None
+    first_position: int = 0
+    kv: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,19 @@ device still computes N-1. A request sampling in N-1 then has one *pending* toke
 step N computes it anyway, as a placeholder id (`PLACEHOLDER`) the model runner fills from N-1's sampled
 tokens on the device. If N-1's token finishes the request, its work in step N is discarded.
 
+Speculative decoding: a request's drafts (`Request.spec_token_ids`) are simply more tokens to catch up on.
+A decoding request with k drafts computes 1 + k tokens (its last token and the drafts); `update_from_output`
+then learns how many drafts the target kept, appends them and the token after them, and moves
+`num_computed_tokens` back past the rejected ones (their pages stay reserved for the next drafts). Drafts need
+the previous step's result, so the engine runs speculative decoding without asynchronous scheduling.
+
 `add_request` and `abort` may be called at any time between or around those two calls. Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from deepserve.core.interfaces import PLACEHOLDER
@@ -36,13 +42,15 @@ class ScheduledChunk:
     """Tokens `[start, start + len(token_ids))` of one request, to compute this step.
 
     `samples` is True when the chunk ends at the request's last token, so the runner samples a token. A token id
-    `PLACEHOLDER` stands for the token the previous step samples for this request.
+    `PLACEHOLDER` stands for the token the previous step samples for this request. The last `num_draft_tokens`
+    token ids are speculative drafts to verify.
     """
 
     request_id: str
     start: int
     token_ids: tuple[int, ...]
     samples: bool
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.start < 0 or not self.token_ids:
@@ -93,7 +101,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Collection[int] = (),
+        verify_planner: Callable[[list[list[float]]], list[int]] | None = None,
     ) -> None:
+        """`verify_planner` (DSpark): given the draft confidences of the running requests that have drafts,
+        how many of each request's drafts to verify this step; without one every draft is verified."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
@@ -104,6 +115,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.verify_planner = verify_planner
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to be preempted
@@ -167,6 +179,8 @@ class Scheduler:
         # the chunk size and the step's token budget; a prefix hit just advances num_computed_tokens when the
         # request is admitted, and a decode is simply the case where the gap is 1 token.
         plan = _StepPlan(budget=self.max_num_batched_tokens)
+        if self.verify_planner is not None:
+            self._plan_verify_lengths()
         self._schedule_running(plan)
         # Right after a preemption the pages are too scarce to admit anyone: doing so would only thrash.
         if not plan.preempted:
@@ -179,22 +193,37 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
-    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results: append the token sampled for each chunk with `samples=True`, cache the
-        request's newly full blocks and check the stop rules. Returns the requests that finished; their pages
-        are free again. Requests finished or aborted since `schedule()` are skipped."""
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
+                           num_accepted: dict[str, int] | None = None,
+                           drafts: dict[str, list[int]] | None = None,
+                           confidences: dict[str, list[float]] | None = None) -> list[Request]:
+        """Apply a step's results: append the token sampled for each chunk with `samples=True` (after the drafts
+        the target kept, `num_accepted`), cache the request's newly full blocks and check the stop rules; keep
+        the new `drafts` (and their `confidences`) for the next step. Returns the requests that finished; their
+        pages are free again. Requests finished or aborted since `schedule()` are skipped."""
         finished = []
         for chunk in sched_out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
+            new_tokens = [sampled[chunk.request_id]] if chunk.samples else []
+            if chunk.num_draft_tokens:
+                kept = (num_accepted or {}).get(chunk.request_id, 0)
+                request.num_computed_tokens -= chunk.num_draft_tokens - kept  # rejected: computed again later
+                request.num_verified_tokens += chunk.num_draft_tokens
+                request.num_accepted_tokens += kept
+                new_tokens = list(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:][:kept]) + new_tokens
+            if chunk.samples:
+                request.spec_token_ids = list((drafts or {}).get(chunk.request_id, ()))
+                request.spec_confidences = list((confidences or {}).get(chunk.request_id, ()))
+                request.num_draft_tokens += len(request.spec_token_ids)
             if request.status is RequestStatus.RUNNING:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
             if not chunk.samples:
                 continue
             request.num_pending_tokens -= 1
-            if self._append_token(request, sampled[chunk.request_id]):
+            if any(self._append_token(request, token) for token in new_tokens):  # stops at the first that ends it
                 if request in self.running:
                     self.running.remove(request)
                 else:  # preempted after this step was planned: it waits for recompute
@@ -203,6 +232,26 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def _plan_verify_lengths(self) -> None:
+        drafting = [r for r in self.running if r.spec_token_ids]
+        if not drafting:
+            return
+        confidences = [r.spec_confidences or [1.0] * len(r.spec_token_ids) for r in drafting]
+        for request, length in zip(drafting, self.verify_planner(confidences)):
+            del request.spec_token_ids[length:]
+
+    def _cap_drafts(self, request: Request, budget: int) -> None:
+        """Verify no draft past the request's last possible token, nor more than the step's budget holds."""
+        spec = request.spec_token_ids
+        if not spec:
+            return
+        room = self.max_model_len - request.num_tokens_with_pending - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - request.num_pending_tokens - 1)
+        room = min(room, budget - (request.num_tokens_with_pending - request.num_computed_tokens))
+        del spec[max(room, 0):]
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
         while index < len(self.running) and plan.budget > 0:
@@ -210,6 +259,7 @@ class Scheduler:
             if self._finishes_with_pending(request):
                 index += 1  # its in-flight token is its last: computing past it would be wasted
                 continue
+            self._cap_drafts(request, plan.budget)
             num_new = self._chunk_size(request, plan)
             if num_new == 0:  # waiting for its grammar, prompt computed up to the sampling position
                 index += 1
@@ -254,13 +304,13 @@ class Scheduler:
         return (max_tokens is not None and outputs >= max_tokens) or request.num_tokens_with_pending >= self.max_model_len
 
     def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
-        remaining = request.num_tokens_with_pending - request.num_computed_tokens
+        remaining = request.num_tokens_with_pending + len(request.spec_token_ids) - request.num_computed_tokens
         if request.awaiting_grammar:  # prefill, but stop short of the sampling position until the grammar is ready
             remaining -= 1
         num_new = min(remaining, plan.budget)
         if num_new <= 0:
             return 0
-        if self.cost_model is not None and num_new > 1:
+        if self.cost_model is not None and num_new > 1 and not request.spec_token_ids:
             num_new = self.cost_model.largest_chunk(request.num_computed_tokens, remaining, cap=num_new,
                                                     other_chunks=plan.cost_chunks)
         return num_new
@@ -268,10 +318,15 @@ class Scheduler:
     def _add_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        spec = request.spec_token_ids
         known = request.all_token_ids[start:end]
-        tokens = tuple(known) + (PLACEHOLDER,) * (num_new - len(known))
-        samples = end == request.num_tokens_with_pending
-        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples))
+        num_placeholders = min(num_new - len(known), request.num_tokens_with_pending - start - len(known))
+        tokens = tuple(known) + (PLACEHOLDER,) * num_placeholders
+        num_drafts = num_new - len(tokens)  # _cap_drafts made the budget hold all of them
+        del spec[num_drafts:]
+        tokens += tuple(spec)
+        samples = end == request.num_tokens_with_pending + len(spec)
+        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts))
         plan.cost_chunks.append((num_new, start))
         plan.budget -= num_new
         request.num_computed_tokens = end  # counted as computed from now on: the device will have done it
@@ -282,6 +337,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_confidences = [], []  # made from state the runner now drops
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
