@@ -206,3 +206,35 @@ def test_cli_option_reaches_the_engine():
     bad = build_parser().parse_args(["serve", "--speculative-config", '{"method": "mtp", "n": 1}'])
     with pytest.raises(ValueError, match="unknown field"):
         engine_options(bad)
+
+
+async def test_metrics_export_draft_counts_and_acceptance_by_position(aiohttp_client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deepserve.core.plugins import make_plugin_manager
+    from deepserve.server import ServerConfig, create_app
+
+    engine = dict(dtype="float32", accelerator="cpu", max_model_len=512, max_num_seqs=4, block_size=128,
+                  speculative_config=SPEC)
+    config = ServerConfig(model=str(EMBEDDED), served_model_name="tiny", engine_kwargs=engine)
+    client = await aiohttp_client(create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False)))
+    for prompt in ("def add(a, b):", "import os\nimport sys\n"):
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                                        "temperature": 0})
+        assert r.status == 200
+    text = await (await client.get("/metrics")).text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+    steps = value("deepserve_spec_decode_sequence_steps_total")
+    verified, accepted = (value("deepserve_spec_decode_verified_tokens_total"),
+                          value("deepserve_spec_decode_accepted_tokens_total"))
+    assert steps > 0 and 0 < accepted <= verified <= value("deepserve_spec_decode_draft_tokens_total")
+    assert value("deepserve_spec_decode_accepted_tokens_per_step") == pytest.approx(accepted / steps)
+    assert value("deepserve_spec_decode_verified_tokens_per_step") == pytest.approx(verified / steps)
+    first = value("deepserve_spec_decode_acceptance_rate", position="1")
+    assert 0 < first <= 1
+    assert sum(value("deepserve_spec_decode_accepted_tokens_by_position_total", position=str(j))
+               for j in range(1, 6)) == accepted
+    # 2 requests x 24 tokens: one per step each, plus the accepted drafts
+    assert value("deepserve_generation_tokens_total") == 48

@@ -2,7 +2,9 @@
 
 Engine gauges and counters are read at scrape time from the live engine (queue lengths, KV pages, prefix-cache
 and token counters); request latencies (time to first token, inter-token, end to end) and finished requests by
-reason are observed by the handlers.
+reason are observed by the handlers. With speculative decoding on, the engine's draft counters are exported as
+`deepserve_spec_decode_*`: drafted, verified and accepted tokens (totals and per sequence-step, one decoding
+request in one step) and the acceptance rate at each draft position.
 """
 
 from __future__ import annotations
@@ -112,3 +114,35 @@ class _EngineCollector(Collector):
                                   "included)", value=core.stats.num_prompt_tokens)
         yield CounterMetricFamily("deepserve_generation_tokens", "Output tokens generated",
                                   value=core.stats.num_generation_tokens)
+        if core.num_speculative_tokens:
+            yield from _spec_decode_metrics(core.stats.spec)
+
+
+def _spec_decode_metrics(spec) -> Iterator[Metric]:
+    steps = spec.num_seq_steps
+    for what, value, help_text in (
+        ("draft", spec.num_draft_tokens, "Draft tokens the proposer made"),
+        ("verified", spec.num_verified_tokens, "Draft tokens the target model verified"),
+        ("accepted", spec.num_accepted_tokens, "Draft tokens the target model accepted"),
+    ):
+        yield CounterMetricFamily(f"deepserve_spec_decode_{what}_tokens", help_text, value=value)
+        yield GaugeMetricFamily(f"deepserve_spec_decode_{what}_tokens_per_step",
+                                f"{help_text}, per decoding sequence per step (since start)",
+                                value=value / steps if steps else 0.0)
+    yield CounterMetricFamily("deepserve_spec_decode_sequence_steps", "Decoding sequence-steps (one request in "
+                              "one step) while speculating", value=steps)
+    verified, accepted = list(spec.verified_by_position), list(spec.accepted_by_position)
+    by_position = CounterMetricFamily("deepserve_spec_decode_accepted_tokens_by_position",
+                                      "Drafts accepted at each draft position (1 = the first draft)",
+                                      labels=["position"])
+    rate = GaugeMetricFamily("deepserve_spec_decode_acceptance_rate", "Accepted / verified drafts at each draft "
+                             "position (1 = the first draft)", labels=["position"])
+    checked = CounterMetricFamily("deepserve_spec_decode_verified_tokens_by_position",
+                                  "Drafts verified at each draft position", labels=["position"])
+    for j, (v, a) in enumerate(zip(verified, accepted), start=1):
+        by_position.add_metric([str(j)], a)
+        checked.add_metric([str(j)], v)
+        rate.add_metric([str(j)], a / v if v else 0.0)
+    yield by_position
+    yield checked
+    yield rate
