@@ -209,6 +209,9 @@ def bench_hf(path: Path, device, dtype, prefill_lens, decode_batches, context, s
     began = time.perf_counter()
     where = {"device_map": device} if torch.device(device).type == "cuda" else {}  # accelerate is on the GPU box
     hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype, **where).eval()
+    # transformers 5.17 keeps its norms and mHC weights in fp32 and hands their fp32 outputs to bf16 projections
+    # (a dtype error); every parameter in the run's dtype is how it runs at all
+    hf = hf.to(dtype)
     out = {"load_seconds": time.perf_counter() - began, "prefill": {}, "decode": {}}
     g = torch.Generator().manual_seed(1)
     for n in prefill_lens:
@@ -287,15 +290,37 @@ def profile_step(model, device, states, row, start) -> dict:
         logits.argmax(-1).tolist()
         sync(device)
         wall = time.perf_counter() - t0
-    rows = []
+    from torch.autograd import DeviceType
+
+    rows = []  # kernels only: the aten rows carry their kernels' device time too
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if t > 0:
+        if t > 0 and e.device_type == DeviceType.CUDA:
             rows.append((e.key, t / 1e6, e.count))
     rows.sort(key=lambda r: -r[1])
     busy = sum(r[1] for r in rows)
     return {"wall_seconds": wall, "gpu_busy_seconds": busy, "num_kernels": sum(r[2] for r in rows),
-            "top": [{"kernel": k[:90], "seconds": s, "count": c} for k, s, c in rows[:25]]}
+            "top": [{"kernel": k[:90], "seconds": s, "count": c} for k, s, c in rows[:25]],
+            "host": host_profile(model, device, states, row, start + 1)}
+
+
+@torch.no_grad()
+def host_profile(model, device, states, row, start) -> list[dict]:
+    """Where the host's time in one decode step goes: deepserve's functions by cumulative time (cProfile)."""
+    import cProfile
+    import pstats
+
+    from deepserve.model.batch import make_batch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    model(make_batch([[t] for t in row], [start] * len(states), device), states).logits.argmax(-1).tolist()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{Path(f).parent.name}/{Path(f).name}:{line}({fn})", ct, nc) for (f, line, fn), (_, nc, _, ct, _)
+            in stats.items() if "deepserve" in f]
+    rows.sort(key=lambda r: -r[1])
+    return [{"function": f, "seconds": ct, "calls": nc} for f, ct, nc in rows[:20]]
 
 
 @torch.no_grad()
@@ -303,7 +328,7 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
     from deepserve.model.batch import make_batch
 
     g = torch.Generator().manual_seed(2)
-    out = {"prefill": {}, "decode": {}, "profile": {}}
+    out = {"prefill": {}, "decode": {}, "profile": {}, "bf16_lm_head": {}}
     # warm-up: compiles the Triton kernels for prefill- and decode-sized tiles
     st = prefill_states(model, device, [torch.randint(2, vocab, (context,), generator=g).tolist()] * 2, group=2)
     decode_steps(model, device, st, [[5, 6]] * 2, context)
@@ -335,7 +360,27 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
                 p = out["profile"][key]
                 print(f"    profile: wall {1e3 * p['wall_seconds']:.2f} ms, GPU busy {1e3 * p['gpu_busy_seconds']:.2f} ms,"
                       f" {p['num_kernels']} kernels", flush=True)
+                for k in p["top"][:8]:
+                    print(f"      {1e3 * k['seconds']:7.3f} ms {k['count']:6d}x {k['kernel'][:70]}")
+                for h in p["host"][:12]:
+                    print(f"      host {1e3 * h['seconds']:8.2f} ms {h['calls']:6d}x {h['function']}")
             del states
+    # what the fp32 LM head (the model upcasts the 0.5B-parameter head every step) costs: the same decode with
+    # a bf16 head, fp32 accumulation and fp32 logits; an experiment, not the shipped path
+    original = model.logits
+    model.logits = lambda hidden: model.backend.linear(hidden.to(model.lm_head.weight.dtype), model.lm_head.weight).float()
+    try:
+        for b in [x for x in (1, 64) if x in decode_batches]:
+            prompts = [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(b)]
+            states = prefill_states(model, device, prompts, group=max(1, 16384 // context))
+            toks = torch.randint(2, vocab, (steps + 2, b), generator=g).tolist()
+            decode_steps(model, device, states, toks[:2], context)
+            s = decode_steps(model, device, states, toks[2:], context + 2)
+            out["bf16_lm_head"][f"{b}@{context}"] = {"batch": b, "context": context, "ms_per_step": 1e3 * s, "tok_s": b / s}
+            print(f"  deepserve decode batch {b}, bf16 LM head: {1e3 * s:.2f} ms/step", flush=True)
+            del states
+    finally:
+        model.logits = original
     return out
 
 

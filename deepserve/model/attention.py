@@ -79,6 +79,8 @@ class Attention(nn.Module):
     def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
         """Concatenate each sequence's window rows and compressed rows; index them per query. Also returns, per
         sequence, (first position, rows) of the window rows gathered."""
+        if all(c.length == 1 and not c.snapshots for c in batch.chunks):
+            return self._decode_key_pool(kv, batch, states, compressed)
         W, device = self.window, kv.device
         pieces, index_parts, windows, base = [], [], [], 0
         width_c = compressed.shape[1] if compressed is not None else 0
@@ -101,3 +103,29 @@ class Attention(nn.Module):
             index_parts.append(win_idx)
         indices = torch.cat(index_parts) if index_parts else kv.new_zeros((0, W + width_c), dtype=torch.long)
         return torch.cat(pieces), indices, windows
+
+    def _decode_key_pool(self, kv, batch: ForwardBatch, states, compressed):
+        """`_key_pool` for a step of one new token per sequence, in a constant number of launches: each whole
+        ring goes into the pool as it is and the indices name its slots (the same keys in the same order as the
+        general path, so the same results), the new rows go last. Per-sequence gathers were most of a decode
+        step's launches."""
+        W, device, B = self.window, kv.device, kv.shape[0]
+        pieces, ring_base, comp_base, base = [], [], [], 0
+        for st in states:
+            pieces.append(st.window.ring)
+            ring_base.append(base)
+            base += st.window.ring.shape[0]
+            if compressed is not None:
+                rows = st.compressor.rows
+                pieces.append(rows.view())
+                comp_base.append(base)
+                base += rows.num_rows
+        pieces.append(kv)
+        old_pos = batch.positions[:, None] - (W - 1) + torch.arange(W - 1, device=device)[None, :]
+        ring_start = torch.tensor(ring_base, device=device)[:, None]
+        old = torch.where(old_pos >= 0, ring_start + old_pos % W, torch.full_like(old_pos, -1))
+        parts = [old, (base + torch.arange(B, device=device))[:, None]]
+        if compressed is not None:
+            comp_start = torch.tensor(comp_base, device=device)[:, None]
+            parts.append(torch.where(compressed >= 0, comp_start + compressed, compressed))
+        return torch.cat(pieces), torch.cat(parts, dim=1), [(c.start, None) for c in batch.chunks]

@@ -99,9 +99,10 @@ class Indexer(_Pooler):
         base = 0
         for chunk, state in zip(batch.chunks, states):
             keys.append(state.rows.view())
-            starts.append(torch.full((chunk.length,), base, dtype=torch.long, device=x.device))
+            starts.append(base)
             base += state.rows.num_rows
-        key_start = torch.cat(starts)
+        lengths = torch.tensor([c.length for c in batch.chunks], device=x.device)
+        key_start = torch.tensor(starts, dtype=torch.long, device=x.device).repeat_interleave(lengths, output_size=x.shape[0])
         key_count = (batch.positions + 1) // self.ratio
         chosen = self.backend.indexer_topk(q, weights, torch.cat(keys), key_start, key_count, self.topk)
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)
