@@ -1,19 +1,23 @@
-"""Structured output cost: grammar compile times, per-step mask fill at batch 1/16/64, and what remains of it in the
-engine's step time after the overlap, with llguidance on the real DeepSeek-V4 tokenizer (129,280 ids).
+"""Structured output cost per grammar backend (llguidance, outlines, xgrammar): compile times, per-step mask fill at
+batch 1/16/64, and what remains of it in the engine's step time after the overlap, on the real DeepSeek-V4
+tokenizer (129,280 ids).
 
-    python bench/structured.py [--device cpu|cuda] [--engine-batch 64] [--engine-steps 24] [--out FILE]
+    python bench/structured.py [--backends llguidance outlines xgrammar] [--device cpu|cuda] [--engine-batch 64]
+                               [--engine-steps 24] [--out FILE]
 
-1. `tokenizer`: building the llguidance backend (its token trie) once per tokenizer.
-2. `compile`: each schema / regex / grammar compiled once, cold (`compile_ms`), and again from the cache.
-3. `mask_fill`: B matchers (a mix of JSON schemas, regexes and a Lark grammar) walk random valid paths; per step the
-   host fills B bitmask rows (`fill_ms`, llguidance's parallel fill), consumes B tokens (`consume_ms`), and the
-   runner unpacks the rows and masks B x V logits on the device (`apply_ms`).
+Per backend (one whose package is missing is reported and skipped):
+1. `build_s`: building the backend once per tokenizer (token trie / vocabulary index).
+2. `compile`: each schema / regex / grammar compiled once, cold (`compile_ms`), and again from the cache; a spec the
+   backend cannot compile records its error (outlines: no grammars, no one-sided numeric ranges).
+3. `mask_fill`: B matchers (a mix of JSON schemas, regexes and a Lark grammar, those the backend compiles) walk
+   random valid paths; per step the host fills B bitmask rows (`fill_ms`, the backend's batch fill), consumes B
+   tokens (`consume_ms`), and the runner unpacks the rows and masks B x V logits on the device (`apply_ms`).
 4. `engine`: a random tiny V4 with the real vocabulary; a batch of `--engine-batch` requests decoding
-   `--engine-steps` tokens, all free or all constrained (`json`: JSON that cannot end early; `any_text`: a regex
-   that allows everything, so the model's work is the free run's), asynchronous scheduling on (masks filled while
-   the forward runs) and off (filled before launch), each kind run `--repeats` times in turn. `step_ms` is the
-   median wall time of one `EngineCore.step()` in the decode phase; `overhead_ms` is constrained minus free;
-   `mask_wait_ms` is how long the runner waited for the host's masks after its forward.
+   `--engine-steps` tokens, all free or all constrained by one backend (`json`: JSON that cannot end early;
+   `any_text`: a regex that allows everything, so the model's work is the free run's), asynchronous scheduling on
+   (masks filled while the forward runs) and off (filled before launch), each kind run `--repeats` times in turn.
+   `step_ms` is the median wall time of one `EngineCore.step()` in the decode phase; `overhead_ms` is constrained
+   minus free; `mask_wait_ms` is how long the runner waited for the host's masks after its forward.
 Prints one JSON record with the command and the machine.
 """
 
@@ -101,32 +105,47 @@ def make_compiler():
     return GrammarCompiler(factories, info, timeout=60)
 
 
-def bench_compile(compiler) -> tuple[dict, dict]:
-    from deepserve.core.structured import GrammarSpec
-
+def build_backend(compiler, name: str) -> dict:
     began = time.perf_counter()
-    compiler.backend("llguidance")
-    tokenizer = {"backend_build_s": round(time.perf_counter() - began, 3)}
+    try:
+        compiler.backend(name)
+    except Exception as exc:  # noqa: BLE001 - an optional backend whose package is missing
+        return {"error": str(exc)}
+    return {"build_s": round(time.perf_counter() - began, 3)}
+
+
+def bench_compile(compiler, backend: str) -> dict:
+    from deepserve.core.structured import GrammarError, GrammarSpec
+
     out = {}
     for name, value in COMPILE_SPECS.items():
-        spec = GrammarSpec.parse(value)
+        spec = GrammarSpec.parse({**value, "backend": backend})
         began = time.perf_counter()
-        compiler.compile(spec)
+        try:
+            compiler.compile(spec)
+        except GrammarError as exc:
+            out[name] = {"error": str(exc)[:160]}
+            continue
         cold = time.perf_counter() - began
         began = time.perf_counter()
         compiler.compile(spec)
         out[name] = {"compile_ms": round(cold * 1e3, 3), "cached_ms": round((time.perf_counter() - began) * 1e3, 4)}
-    return tokenizer, out
+    return out
 
 
-def bench_masks(compiler, batch_sizes: list[int], steps: int, device: str) -> dict:
-    from deepserve.core.structured import GrammarSpec
+def bench_masks(compiler, backend_name: str, batch_sizes: list[int], steps: int, device: str) -> dict:
+    from deepserve.core.structured import GrammarError, GrammarSpec
     from deepserve.model.runner import mask_bias
 
-    compiled = [compiler.compile(GrammarSpec.parse(v)) for v in WALK_SPECS]
+    compiled = []
+    for value in WALK_SPECS:
+        try:
+            compiled.append(compiler.compile(GrammarSpec.parse({**value, "backend": backend_name})))
+        except GrammarError:
+            continue  # a kind this backend does not compile
     backend = compiled[0].backend
     rng = np.random.default_rng(0)
-    out = {}
+    out = {"walked": len(compiled)}
     for batch in batch_sizes:
         matchers = [compiled[i % len(compiled)].new_matcher() for i in range(batch)]
         fills, consumes, applies = [], [], []
@@ -200,15 +219,16 @@ def engine_run(llm, batch: int, steps: int, structured) -> dict:
             "fill": stats.mask_fill_seconds[fills + 4:], "wait": stats.mask_wait_seconds[waits + 4:]}
 
 
-def bench_engine(device: str, batch: int, steps: int, repeats: int, checkpoint: Path) -> dict:
-    from deepserve import LLM, SamplingParams
+def bench_engine(device: str, batch: int, steps: int, repeats: int, checkpoint: Path, backends: list[str]) -> dict:
+    from deepserve import LLM
 
     accelerator = "cpu" if device == "cpu" else "nvidia"
     out = {"batch": batch, "steps": steps, "repeats": repeats, "accelerator": accelerator}
-    kinds = {"free": None, **ENGINE_CONSTRAINTS}
+    kinds = {"free": None, **{f"{backend}/{kind}": {**constraint, "backend": backend}
+                              for backend in backends for kind, constraint in ENGINE_CONSTRAINTS.items()}}
     for mode, async_scheduling in (("async", True), ("sync", False)):
         llm = LLM(checkpoint, dtype="float32", accelerator=accelerator, block_size=128, max_num_seqs=batch,
-                  async_scheduling=async_scheduling)
+                  async_scheduling=async_scheduling, grammar_compile_timeout=120)
         for structured in kinds.values():  # warm-up: compiles, lazily built lexer states, allocator
             engine_run(llm, batch, 4, structured)
         runs: dict[str, dict[str, list[float]]] = {k: {"step": [], "fill": [], "wait": []} for k in kinds}
@@ -218,7 +238,7 @@ def bench_engine(device: str, batch: int, steps: int, repeats: int, checkpoint: 
                     runs[kind][key] += values
         free = statistics.median(runs["free"]["step"])
         result = {"free": {"step_ms": percentiles(runs["free"]["step"])}}
-        for kind in ENGINE_CONSTRAINTS:
+        for kind in list(kinds)[1:]:
             r = runs[kind]
             result[kind] = {"step_ms": percentiles(r["step"]), "mask_fill_ms": percentiles(r["fill"]),
                             "mask_wait_ms": percentiles(r["wait"]),
@@ -229,15 +249,16 @@ def bench_engine(device: str, batch: int, steps: int, repeats: int, checkpoint: 
 
 
 def machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__}
-    try:
-        import llguidance
-
-        info["llguidance"] = llguidance.__version__
-    except ImportError:
-        pass
+    for package in ("llguidance", "outlines-core", "xgrammar"):
+        try:
+            info[package] = version(package)
+        except PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -245,6 +266,9 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=["llguidance", "outlines", "xgrammar"])
+    parser.add_argument("--engine-backends", nargs="+", default=None,
+                        help="backends the engine benchmark runs (default: --backends)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the logits live (engine and apply)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--mask-steps", type=int, default=100)
@@ -260,13 +284,19 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine()}
     compiler = make_compiler()
-    record["tokenizer"], record["compile"] = bench_compile(compiler)
-    record["mask_fill"] = bench_masks(compiler, args.batch_sizes, args.mask_steps, args.device)
+    record["backends"] = {}
+    for backend in args.backends:
+        result = record["backends"][backend] = build_backend(compiler, backend)
+        if "error" in result:
+            continue
+        result["compile"] = bench_compile(compiler, backend)
+        result["mask_fill"] = bench_masks(compiler, backend, args.batch_sizes, args.mask_steps, args.device)
     compiler.shutdown()
+    built = [b for b in args.engine_backends or args.backends if "error" not in record["backends"].get(b, {})]
     if not args.skip_engine:
         checkpoint = args.checkpoint or Path(tempfile.gettempdir()) / "deepserve-bench-structured-v4"
         record["engine"] = bench_engine(args.device, args.engine_batch, args.engine_steps, args.repeats,
-                                        build_checkpoint(checkpoint))
+                                        build_checkpoint(checkpoint), built)
     text = json.dumps(record, indent=2)
     print(text)
     if args.out:

@@ -101,11 +101,26 @@ def test_random_walks_through_the_masks_satisfy_the_constraint(compiler, tok, ba
     ("xgrammar", {"json": {"type": "foo"}}, "invalid JSON schema.*foo"),
     ("xgrammar", {"grammar": "start: /a+/"}, "not Lark.*llguidance"),
     ("xgrammar", {"grammar": "root ::= [0-9"}, "invalid grammar"),
+    ("xgrammar", {"regex": r"\w+", "ascii_classes": False}, "ASCII only.*llguidance"),
 ])
 def test_each_backend_names_what_it_cannot_compile(compiler, backend_name, value, message):
     pytest.importorskip(PACKAGES[backend_name])
     with pytest.raises(GrammarError, match=message):
         compiler.compile(GrammarSpec.parse({**value, "backend": backend_name}))
+
+
+def test_regex_classes_are_ascii_and_negated_classes_work(compiler, tok, backend):
+    def allowed(regex):
+        compiled = compiler.compile(GrammarSpec.parse({"regex": regex, "backend": backend}))
+        matcher = compiled.new_matcher()
+        assert not matcher.is_terminated()
+        return set(allowed_ids(matcher, compiled.backend))
+
+    seven, x, arabic_three = tok.token_to_id("7"), tok.token_to_id("x"), tok.encode("\u0663").ids[0]
+    digits, not_digits, anything = allowed(r"\d+"), allowed(r"[^\d]+"), allowed(r"[\s\S]*")
+    assert seven in digits and arabic_three not in digits and x not in digits
+    assert x in not_digits and seven not in not_digits
+    assert {seven, x, arabic_three, EOS} <= anything
 
 
 def test_outlines_writes_small_integer_ranges_as_enums():

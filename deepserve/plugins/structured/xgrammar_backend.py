@@ -21,7 +21,6 @@ from deepserve.plugins.structured.llguidance_backend import JSON_OBJECT_SCHEMA
 from deepserve.plugins.structured.vocabulary import token_bytes
 
 try:
-    import llguidance
     import xgrammar
 except ImportError as exc:  # raised when the backend is built, i.e. when a request first asks for it
     raise BackendUnavailable("the xgrammar grammar backend needs the xgrammar package: "
@@ -30,6 +29,7 @@ except ImportError as exc:  # raised when the backend is built, i.e. when a requ
 #: how many tokens a matcher can roll back (speculative decoding's drafts)
 MAX_ROLLBACK = 64
 _SOURCE_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")
+_CLASS_ESCAPE = re.compile(r"\\[dwsDWS]")
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -102,8 +102,10 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "json_object":
             return self.compiler.compile_json_schema(JSON_OBJECT_SCHEMA, strict_mode=True, **compact)
         if spec.kind == "regex":
-            return self.compiler.compile_regex(llguidance.regex_to_lark(spec.spec, "dws") if spec.ascii_classes
-                                               else spec.spec)
+            if not spec.ascii_classes and _CLASS_ESCAPE.search(spec.spec):
+                raise GrammarError("the xgrammar backend matches \\d, \\w and \\s as ASCII only; "
+                                   "ascii_classes=False needs the llguidance backend")
+            return self.compiler.compile_regex(spec.spec)  # xgrammar's classes are ASCII already
         if spec.kind == "choice":  # a GBNF alternation of string literals (JSON escapes are GBNF's too)
             literals = " | ".join(json.dumps(c) for c in spec.choices)
             return self.compiler.compile_grammar(f"root ::= {literals}")
