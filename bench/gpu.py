@@ -446,6 +446,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "docs"))
     ap.add_argument("--checkpoint", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--reuse-hf", type=Path, default=None,
+                    help="take transformers' numbers from an earlier gpu_bench.json (same shapes) instead of rerunning it")
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a check of this script, not a measurement")
     ap.add_argument("--context", type=int, default=512, help="tokens of context before decoding")
     ap.add_argument("--long-context", type=int, default=4096, help="a second decode context (deepserve, batch 1 and 64)")
@@ -484,7 +486,11 @@ def main() -> None:
     print(f"model: {wb['parameters'] / 1e9:.2f}B parameters, {wb['total_bytes'] / 2**30:.2f} GiB", flush=True)
     res["bytes_at"] = {str(b): decode_bytes(model, wb, b, args.context) for b in (1, 16, 64, 256)}
 
-    if not args.skip_hf:
+    if args.reuse_hf:
+        earlier = json.loads(args.reuse_hf.read_text())
+        res["transformers"] = dict(earlier["transformers"], reused_from=str(args.reuse_hf))
+        res["transformers_floors"] = earlier["floors"]
+    elif not args.skip_hf:
         from deepserve.model.writer import save_checkpoint
 
         tmp = args.checkpoint or Path(tempfile.mkdtemp(prefix="deepserve-gpu-bench-"))

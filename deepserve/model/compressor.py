@@ -45,6 +45,11 @@ class _Pooler(nn.Module):
         """Add one chunk's projections to the frontier and append a row for every block it closes."""
         m, d = self.ratio, self.dim
         held = chunk.start % m
+        if chunk.length == 1 and held + 1 < m and not chunk.snapshots and getattr(state, "journal", None) is None:
+            # a decode token that closes no block: two row writes instead of this method's ~8 launches
+            state.open_kv[held] = kv[0]
+            state.open_gate[held] = gate[0]
+            return
         kv = torch.cat((state.open_kv[:held], kv))
         gate = torch.cat((state.open_gate[:held], gate))
         state.record(chunk.start - held, kv, gate)  # speculative passes keep it for a rollback
@@ -102,7 +107,8 @@ class Indexer(_Pooler):
             starts.append(base)
             base += state.rows.num_rows
         lengths = torch.tensor([c.length for c in batch.chunks], device=x.device)
-        key_start = torch.tensor(starts, dtype=torch.long, device=x.device).repeat_interleave(lengths, output_size=x.shape[0])
+        key_start = torch.tensor(starts, dtype=torch.long, device=x.device)
+        key_start = key_start.repeat_interleave(lengths, output_size=x.shape[0])
         key_count = (batch.positions + 1) // self.ratio
         chosen = self.backend.indexer_topk(q, weights, torch.cat(keys), key_start, key_count, self.topk)
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)

@@ -17,6 +17,17 @@ import triton.language as tl
 from .common import dot_precision
 
 
+# tiles picked per (D, I, BLOCK_M) at first use: decode blocks are short and want many N tiles in flight,
+# prefill blocks want wider ones
+_CONFIGS = [
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])
 @triton.jit
 def _gate_up_swiglu_kernel(
     x_ptr, w_ptr, slot_pair_ptr, block_expert_ptr, h_ptr,
@@ -53,6 +64,7 @@ def _gate_up_swiglu_kernel(
     tl.store(h_ptr + slots[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
+@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, slot_pair_ptr, block_expert_ptr, pair_weight_ptr, y_ptr,
@@ -103,13 +115,9 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return slot_pair, block_expert, num_blocks
 
 
-def _tiles(num_pairs: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) by pairs per step: decode has ~pairs/experts rows per expert."""
-    if num_pairs <= 512:
-        return 16, 64, 128, 4
-    if num_pairs <= 4096:
-        return 32, 64, 64, 4
-    return 64, 128, 64, 8
+def _block_m(num_pairs: int) -> int:
+    """Rows per block by pairs per step: a decode step has about pairs / experts rows per expert."""
+    return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
@@ -124,18 +132,18 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         pair_out = torch.empty((pairs, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return pair_out.view(T, top_k, D).sum(1)
-    bm, bn, bk, warps = _tiles(pairs)
+    bm = _block_m(pairs)
     slot_pair, block_expert, num_blocks = _align(topk_ids, E, bm)
     h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
-    _gate_up_swiglu_kernel[(num_blocks, triton.cdiv(I, bn))](
+    _gate_up_swiglu_kernel[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, slot_pair, block_expert, h, D, I, top_k, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=3,
+        BLOCK_M=bm, PRECISION=dot_precision(x.dtype),
     )
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[(num_blocks, triton.cdiv(D, bn))](
+    _down_kernel[lambda meta: (num_blocks, triton.cdiv(D, meta["BLOCK_N"]))](
         h, w2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=3,
+        BLOCK_M=bm, PRECISION=dot_precision(x.dtype),
     )
     return pair_out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
