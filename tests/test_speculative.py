@@ -153,11 +153,15 @@ def test_stops_inside_kept_drafts(embedded_pair):
     full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids
     stop_id = full[9]
+    stop_text = plain.tokenizer.decode(full[12:14])
     for params in (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-                   SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True)):
+                   SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=30, stop=[stop_text], ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=13, stop=[stop_text], ignore_eos=True)):
         a = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         b = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason)
 
 
 def test_dspark_keeps_greedy_tokens_and_plans_lengths(embedded_pair):
@@ -238,3 +242,20 @@ async def test_metrics_export_draft_counts_and_acceptance_by_position(aiohttp_cl
                for j in range(1, 6)) == accepted
     # 2 requests x 24 tokens: one per step each, plus the accepted drafts
     assert value("deepserve_generation_tokens_total") == 48
+
+
+def test_constrained_requests_draft_and_keep_their_greedy_tokens(embedded_pair):
+    """Grammar-constrained requests draft too: each verified position is masked (`fill_draft_masks`), so the
+    tokens are the non-speculative constrained ones."""
+    plain, spec = embedded_pair
+    constraints = [{"regex": r"(import [a-z]+\n){4,6}"}, {"choice": ["import os", "import sys", "from x import y"]},
+                   {"json": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+                             "required": ["name"]}}]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    prompts = ["import os\nimport re\n", "# pick one\n", '{"name": "json"}\n']
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in ref]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert sum(o.num_verified_tokens for o in outs) > 0 and sum(o.num_accepted_tokens for o in outs) > 0
+    assert_everything_free(spec)

@@ -12,8 +12,10 @@ whose grammar is not ready prefills but does not sample (the scheduler stops it 
 
 Speculative decoding (`num_speculative_tokens` > 0): the runner drafts after every step and the next step
 verifies the drafts. A step's plan needs the previous step's kept count and drafts, so speculation runs the
-pipeline synchronously (asynchronous scheduling is switched off while it is on). Requests with a grammar,
-with `logprobs`, or still under `min_tokens` do not draft (they decode one token per step as before). With a
+pipeline synchronously (asynchronous scheduling is switched off while it is on). Requests with `logprobs`,
+or still under `min_tokens`, do not draft (they decode one token per step as before). Constrained requests do:
+their matcher checks the drafts and fills one mask row per verified position (`fill_draft_masks`), so the
+target distribution the drafts are verified against is the grammar-masked one. With a
 verify planner (DSpark) the scheduler trims every request's drafts to the planned length before each step,
 and the planner's step-time curve learns from every step's size and duration.
 Plain Python: the runner is reached only through `ModelExecutor`.
@@ -86,10 +88,12 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class _PendingMasks:
-    """A launched step's grammar masks, still to fill: row i is for request `request_ids[i]`."""
+    """A launched step's grammar masks, still to fill: row group i is for request `request_ids[i]`, and checks
+    its drafts `drafts[i]` (one row, or 1 + k rows with k drafts)."""
 
     request_ids: tuple[str, ...]
     masks: StepMasks
+    drafts: tuple[tuple[int, ...], ...] = ()
 
 
 class EngineCore:
@@ -128,6 +132,7 @@ class EngineCore:
         self._last_end: float | None = None
         self._counter = itertools.count()
         self._compiling: dict[str, RequestTracker] = {}  # requests whose grammar is not ready yet
+        self._cut_short: set[str] = set()  # this step: requests whose kept drafts ran past where they stop
         self.stats = EngineStats()
 
     # -- requests ------------------------------------------------------------------------------------------------
@@ -239,11 +244,10 @@ class EngineCore:
                          masks.masks if masks is not None else None)
 
     def _may_draft(self, tracker: RequestTracker) -> bool:
-        """Requests whose next tokens need per-token host work do not draft: grammars (the matcher API has no
-        draft masks yet), logprobs, and min_tokens still blocking stop ids."""
+        """Requests whose next tokens need per-token host work do not draft: logprobs, and min_tokens still
+        blocking stop ids (grammars draft: `fill_draft_masks` masks every verified position)."""
         request, params = tracker.request, tracker.request.sampling_params
-        return (tracker.grammar is None and params.logprobs is None
-                and request.num_output_tokens + 1 >= params.min_tokens)
+        return params.logprobs is None and request.num_output_tokens + 1 >= params.min_tokens
 
     def _finish(self, plan: SchedulerOutput, future: Future) -> list[RequestOutput]:
         out: StepOutput = future.result()
@@ -261,30 +265,50 @@ class EngineCore:
         self.scheduler.update_from_output(plan, out.sampled, out.num_accepted, out.draft_token_ids,
                                           out.draft_confidences)
         touched: dict[str, RequestTracker] = {}
+        verdicts: dict[str, tuple[str, str | None]] = {}
+        self._cut_short: set[str] = set()
         for c in plan.chunks:
             tracker = self._trackers.get(c.request_id)
             if tracker is None:
                 continue  # aborted or finished while this step ran
             if c.request_id in out.prompt_logprobs:
                 tracker.add_prompt_logprobs(c.start, out.prompt_logprobs[c.request_id])
-            if c.samples and tracker.absorb(out.logprobs.get(c.request_id), out.sampled_logprobs.get(c.request_id)):
-                self.stats.num_generation_tokens += 1
-                while tracker.stop_match is None and tracker.absorb(None, None):  # kept drafts: several tokens
-                    self.stats.num_generation_tokens += 1
+            if c.samples:
+                verdict = self._absorb(tracker, out.logprobs.get(c.request_id), out.sampled_logprobs.get(c.request_id))
+                if verdict is not None:
+                    verdicts[c.request_id] = verdict
             if c.start + len(c.token_ids) >= tracker.request.num_prompt_tokens > c.start:
                 self.stats.num_prompt_tokens += tracker.request.num_prompt_tokens - tracker.request.num_cached_tokens
             touched[c.request_id] = tracker
         for request_id, tracker in touched.items():
-            if tracker.stop_match is not None and not tracker.request.is_finished:
-                self.scheduler.finish_requests([request_id], "stop", tracker.stop_match.stop)
-            grammar = tracker.grammar
-            if grammar is not None and grammar.matcher is not None and not tracker.request.is_finished:
-                verdict = grammar.advance(tracker.request.output_token_ids)
-                if verdict is not None:
-                    self.scheduler.finish_requests([request_id], *verdict)
+            reason = ("stop", tracker.stop_match.stop) if tracker.stop_match is not None else verdicts.get(request_id)
+            if reason is not None and not tracker.request.is_finished:
+                self.scheduler.finish_requests([request_id], *reason)
+            elif reason is not None and request_id in self._cut_short:
+                tracker.request.finish(*reason)  # plain decoding would have stopped here, before what ended it
             if tracker.request.is_finished:
                 del self._trackers[request_id]
         return [t.output() for t in touched.values()]
+
+    def _absorb(self, tracker: RequestTracker, logprobs, sampled_logprob) -> tuple[str, str | None] | None:
+        """Take the tokens the scheduler just appended (one, or several with kept drafts), one at a time, as plain
+        decoding would: stop at a stop string or at the grammar's end. Returns the grammar's verdict, if any."""
+        request, grammar = tracker.request, tracker.grammar
+        verdict = None
+        while tracker.absorb(logprobs, sampled_logprob):
+            logprobs = sampled_logprob = None
+            self.stats.num_generation_tokens += 1
+            if tracker.stop_match is not None:
+                break
+            more = tracker.num_seen < len(request.output_token_ids)
+            if grammar is not None and grammar.matcher is not None and (more or not request.is_finished):
+                verdict = grammar.advance(request.output_token_ids[: tracker.num_seen])
+                if verdict is not None:
+                    break
+        if tracker.num_seen < len(request.output_token_ids):  # kept drafts past the end: never generated
+            del request.output_token_ids[tracker.num_seen:]
+            self._cut_short.add(request.request_id)
+        return verdict
 
     def _record_speculation(self, plan: SchedulerOutput, out: StepOutput) -> None:
         spec = self.stats.spec
@@ -323,26 +347,38 @@ class EngineCore:
         return tracker.output()
 
     def _plan_masks(self, plan: SchedulerOutput) -> _PendingMasks | None:
-        rows = [(i, c.request_id) for i, c in enumerate(plan.chunks)
+        rows = [(i, c) for i, c in enumerate(plan.chunks)
                 if c.samples and self._trackers[c.request_id].grammar is not None]
         if not rows:
             return None
-        return _PendingMasks(tuple(r for _, r in rows), StepMasks(tuple(i for i, _ in rows), Future()))
+        drafts = tuple(c.token_ids[len(c.token_ids) - c.num_draft_tokens:] for _, c in rows)
+        per_chunk = tuple(1 + len(d) for d in drafts) if any(drafts) else ()
+        return _PendingMasks(tuple(c.request_id for _, c in rows),
+                             StepMasks(tuple(i for i, _ in rows), Future(), per_chunk), drafts)
 
     def _fill_masks(self, pending: _PendingMasks) -> list[RequestOutput]:
         """Fill the bitmask rows of a launched step and hand it to the runner; finish requests at a dead end."""
         began = time.perf_counter()
         live: dict[int, RequestTracker] = {}
         by_backend: dict[GrammarBackend, list[tuple[GrammarMatcher, int]]] = {}
-        for row, request_id in enumerate(pending.request_ids):
+        verifying: list[tuple[GrammarMatcher, tuple[int, ...], int]] = []
+        row = 0
+        for i, request_id in enumerate(pending.request_ids):
+            drafts = pending.drafts[i] if pending.drafts else ()
             tracker = self._trackers.get(request_id)
-            if tracker is None or tracker.request.is_finished:
-                continue  # finished by the token still in flight: this step's sample for it is discarded
-            live[row] = tracker
-            by_backend.setdefault(tracker.grammar.backend, []).append((tracker.grammar.matcher, row))
+            if tracker is not None and not tracker.request.is_finished:  # else its sample is discarded
+                live[row] = tracker
+                if drafts:
+                    verifying.append((tracker.grammar.matcher, drafts, row))
+                else:
+                    by_backend.setdefault(tracker.grammar.backend, []).append((tracker.grammar.matcher, row))
+            row += 1 + len(drafts)
         try:
-            bitmask = next(iter(by_backend)).allocate_bitmask(len(pending.request_ids)) if by_backend else None
+            backends = list(by_backend) or [live[r].grammar.backend for _, _, r in verifying]
+            bitmask = backends[0].allocate_bitmask(row) if backends else None
             dead = [row for backend, rows in by_backend.items() for row in backend.fill_bitmasks(bitmask, rows)]
+            for matcher, drafts, first_row in verifying:
+                matcher.fill_draft_masks(drafts, bitmask, first_row)
         except BaseException as exc:
             pending.masks.bitmask.set_exception(exc)  # the runner waits on it: never leave it hanging
             raise

@@ -86,8 +86,11 @@ def deepserve_register_proposers(register: Register) -> None:
 
     Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
 
-    :param register: call `register(name, factory)` once per proposer; `name` is unique across all plugins,
-        `factory` builds the proposer when the engine is configured to use it.
+    :param register: call `register(name, factory)` once per proposer; `name` is unique across all plugins and
+        is what `speculative_config={"method": name}` selects (built-in: `mtp`, `dspark`). `factory(model=...,
+        config=..., model_dir=...)` is called once at start-up when the engine is configured to use it, with
+        the loaded `DeepseekV4ForCausalLM`, the `deepserve.core.config.SpeculativeConfig` and the checkpoint
+        directory, and returns a `deepserve.model.speculative.Proposer` (heavy imports belong inside it).
     :return: nothing.
     """
 

@@ -187,10 +187,15 @@ class StepMasks:
     Row i of the bitmask masks the sampled row of chunk `chunk_indices[i]`: a CPU int32 tensor
     [len(chunk_indices), ceil(V / 32)] whose bit j of word w allows token 32 * w + j (rows of requests that
     finished meanwhile allow everything; their token is discarded). The future may give None: mask nothing.
+
+    With speculative decoding a verifying chunk has 1 + k sampled rows (its drafts, then the bonus):
+    `rows_per_chunk[i]` bitmask rows, consecutive, mask chunk `chunk_indices[i]`'s rows in order (empty: one
+    row each). Rows past a draft the grammar rejects may be left unfilled: the verifier never samples there.
     """
 
     chunk_indices: tuple[int, ...]
     bitmask: Future
+    rows_per_chunk: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,7 +86,7 @@ class ModelRunner(ModelExecutor):
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if self.proposer is not None:
-            grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out) if sampling else None
+            grammar = self._verify_masks(step.masks, sampling, chunks, logits.shape[-1], out) if sampling else None
             kept = self._verify(logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
             self._propose(forward.streams, batch, chunks, kept, out)
             self._prompt_logprobs(logits, rows, chunks, out)
@@ -152,7 +152,10 @@ class ModelRunner(ModelExecutor):
         row_index = [r for i, k in zip(sampling, num_drafts) for r in range(last_rows[i] - k, last_rows[i] + 1)]
         rows = logits[torch.tensor(row_index, device=self.device)]
         bonus = torch.tensor([sum(num_drafts[: n + 1]) + n for n in range(len(picked))], device=self.device)
-        rows[bonus] = self._masked(rows[bonus], picked, grammar)  # min_tokens and grammar rows never draft
+        rows[bonus] = self._masked(rows[bonus], picked)  # min_tokens' blocked ids: such requests never draft
+        if grammar is not None:  # grammar masks on every verified row of constrained requests
+            mask_rows, bias = grammar
+            rows.index_add_(0, torch.tensor(mask_rows, device=self.device), bias.to(rows.dtype))
         sampling_rows = self._row_sampling(picked).repeat_rows(num_drafts)
         positions = [c.start + len(c.token_ids) - k + j for c, k in zip(picked, num_drafts) for j in range(k + 1)]
         draft_ids = [t for c, k in zip(picked, num_drafts) for t in c.token_ids[len(c.token_ids) - k:] + (0,)]
@@ -161,11 +164,12 @@ class ModelRunner(ModelExecutor):
             probs = torch.zeros_like(rows)
             at = 0
             for c, k in zip(picked, num_drafts):
-                if k:
+                if k and c.params.temperature > 0:  # greedy rows never read q
                     probs[at : at + k] = self._draft_probs[c.request_id][:k]
                 at += k + 1
         num_kept, tokens = verify(self.backend, rows, sampling_rows, torch.tensor(positions, device=self.device),
-                                  num_drafts, torch.tensor(draft_ids, device=self.device), probs)
+                                  num_drafts, torch.tensor(draft_ids, device=self.device), probs,
+                                  sampling_rows.all_greedy)
         self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
         kept_host, tokens_host = torch.stack((num_kept, tokens)).tolist()  # the step's first device-to-host copy
         kept = {}
@@ -207,10 +211,30 @@ class ModelRunner(ModelExecutor):
         token_ids = drafts.token_ids.tolist()  # the step's second device-to-host copy
         confidences = drafts.confidences.tolist() if drafts.confidences is not None else None
         for d, c in enumerate(drafting):
-            self._draft_probs[c.request_id] = drafts.probs[d]
+            if drafts.probs is not None:
+                self._draft_probs[c.request_id] = drafts.probs[d]
             out.draft_token_ids[c.request_id] = token_ids[d]
             if confidences is not None:
                 out.draft_confidences[c.request_id] = confidences[d]
+
+    def _verify_masks(self, masks: StepMasks | None, sampling: list[int], chunks, vocab_size: int,
+                      out: StepOutput):
+        """(verify rows, their grammar mask bias) for constrained chunks, once the host has filled the bitmask:
+        bitmask rows are consecutive per chunk (1 + drafts each), as the verify rows are."""
+        if masks is None:
+            return None
+        began = time.perf_counter()
+        bitmask = masks.bitmask.result()
+        out.mask_wait_seconds = time.perf_counter() - began
+        if bitmask is None:
+            return None
+        first, at = {}, 0
+        for i in sampling:
+            first[i] = at
+            at += 1 + chunks[i].num_draft_tokens
+        per_chunk = masks.rows_per_chunk or (1,) * len(masks.chunk_indices)
+        rows = [first[i] + j for i, n in zip(masks.chunk_indices, per_chunk) for j in range(n)]
+        return rows, mask_bias(bitmask, vocab_size, self.device)
 
     def _row_sampling(self, chunks: list[ChunkInput]) -> RowSampling:
         p = [c.params for c in chunks]
@@ -220,20 +244,15 @@ class ModelRunner(ModelExecutor):
 
         return RowSampling(col([x.temperature for x in p], torch.float32), col([x.top_k for x in p], torch.long),
                            col([x.top_p for x in p], torch.float32), col([x.min_p for x in p], torch.float32),
-                           col([c.seed for c in chunks], torch.long))
+                           col([c.seed for c in chunks], torch.long), all(x.temperature == 0 for x in p))
 
-    def _masked(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
-        """The sampled rows' logits with min_tokens' blocked ids and the grammar masks applied (a copy)."""
+    def _masked(self, logits: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:
+        """The sampled rows' logits with min_tokens' blocked ids applied."""
         blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]
-        if blocked:
-            r, t = zip(*blocked)
-            logits = suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
-        else:
-            logits = logits.clone()
-        if grammar is not None:
-            rows, bias = grammar
-            logits.index_add_(0, torch.tensor(rows, device=self.device), bias.to(logits.dtype))
-        return logits
+        if not blocked:
+            return logits
+        r, t = zip(*blocked)
+        return suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
         blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]

@@ -89,10 +89,11 @@ class DraftChunk:
 class Drafts:
     """Drafts of the chunks that asked for them, in chunk order: `token_ids` [D, k] int64, `probs` [D, k, V]
     fp32 (the distribution each draft was sampled from, under the request's sampling parameters; what the
-    rejection rule divides by), `confidences` [D, k] fp32 or None (a confidence head's acceptance estimates)."""
+    rejection rule divides by; None when every drafting request is greedy), `confidences` [D, k] fp32 or None
+    (a confidence head's acceptance estimates)."""
 
     token_ids: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     confidences: torch.Tensor | None = None
 
 
@@ -119,16 +120,17 @@ class Proposer(ABC):
 @dataclass(slots=True)
 class RowSampling:
     """Per-row sampling parameters on the device (as `Backend.sample` takes them): temperature, top_k, top_p,
-    min_p, seeds."""
+    min_p, seeds; `all_greedy` (known on the host) says every temperature is 0."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
     seeds: torch.Tensor
+    all_greedy: bool = False
 
     def repeat_rows(self, num_drafts: list[int]) -> RowSampling:
         """Row i repeated 1 + num_drafts[i] times in place: one row per verified position."""
         n = torch.tensor(num_drafts, device=self.seeds.device) + 1
         return RowSampling(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p,
-                                                                self.min_p, self.seeds)))
+                                                                self.min_p, self.seeds)), self.all_greedy)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepserve.backends.reference.sampling import filter_logits, row_keys, uniform_noise
+from deepserve.backends.reference.sampling import _argmax_lowest, filter_logits, row_keys, uniform_noise
 from deepserve.core.interfaces import Backend
 
 from .speculative import RowSampling
@@ -42,14 +42,14 @@ def coins(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
 
 
 def verify(backend: Backend, logits: Tensor, sampling: RowSampling, positions: Tensor, num_drafts: list[int],
-           draft_ids: Tensor, draft_probs: Tensor | None) -> tuple[Tensor, Tensor]:
+           draft_ids: Tensor, draft_probs: Tensor | None, all_greedy: bool = False) -> tuple[Tensor, Tensor]:
     """Accept or reject every sequence's drafts.
 
     `logits` [R, V] fp32 holds each sequence's 1 + k_i rows back to back (`num_drafts[i]` = k_i); `sampling`
     and `positions` (the position each row's token would take) are per row. `draft_ids` [R] holds, on row j
     of a sequence, its draft j + 1 (anything on the bonus rows); `draft_probs` [R, V] the draft distribution q
-    of that draft (None when every row is greedy). Returns (number of drafts kept [S], the token that follows
-    them [S]), on the device.
+    of that draft (None when every row is greedy: then nothing is drawn, only argmaxes are taken). Returns
+    (number of drafts kept [S], the token that follows them [S]), on the device.
     """
     device = logits.device
     firsts = _row_starts(num_drafts, device)
@@ -59,8 +59,11 @@ def verify(backend: Backend, logits: Tensor, sampling: RowSampling, positions: T
     is_draft_row = j < k[seq_of_row]
 
     greedy = sampling.temperature <= 0
-    plain = backend.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                           sampling.seeds, positions)  # the bonus draw, and the greedy target everywhere
+    if draft_probs is None and all_greedy:
+        plain = _argmax_lowest(logits)  # what Backend.sample gives a greedy row
+    else:  # the bonus draw, and the greedy target everywhere
+        plain = backend.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                               sampling.seeds, positions)
     drafts = torch.where(is_draft_row, draft_ids, 0)
     keep = drafts == plain  # greedy rows: exact match with the argmax
     after_reject = plain

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from deepserve.backends.reference.sampling import _argmax_lowest
 from deepserve.model.batch import ForwardBatch, SeqChunk, make_batch
 from deepserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from deepserve.model.speculative import DraftChunk, Drafts, Proposer, RowSampling
@@ -58,9 +59,10 @@ class MTPProposer(Proposer):
         saved = [[layer.window.save(p, p + k - 1) for layer in s.mtp_layers]
                  for s, p in zip(d_states, lengths)] if k > 1 else []
         tokens, probs, confs = [], [], []
+        sampled = not sampling.all_greedy  # q is needed only for sampled requests
         prev, logits, hidden = out.streams[ends], out.logits, out.hidden
         for j in range(k):
-            token, q = self._draw(logits, sampling, positions + 1 + j)
+            token, q = self._draw(logits, sampling, positions + 1 + j, sampled)
             tokens.append(token)
             probs.append(q)
             if self.with_confidences:
@@ -75,11 +77,14 @@ class MTPProposer(Proposer):
                 layer.window.undo(p, ring, p)
         for s, p in zip(d_states, lengths):
             s.mtp_num_tokens = p
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1),
+        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if sampled else None,
                       torch.stack(confs, 1) if confs else None)
 
-    def _draw(self, logits: torch.Tensor, sampling: RowSampling, positions: torch.Tensor):
-        """Draft tokens for the token positions `positions`, and q, the distribution they were drawn from."""
+    def _draw(self, logits: torch.Tensor, sampling: RowSampling, positions: torch.Tensor, sampled: bool):
+        """Draft tokens for the token positions `positions`, and q, the distribution they were drawn from (None
+        when every row is greedy)."""
+        if not sampled:
+            return _argmax_lowest(logits), None
         backend = self.model.backend
         token = backend.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                sampling.seeds ^ DRAFT_SALT, positions)
