@@ -304,6 +304,21 @@ def profile_step(model, device, states, row, start) -> dict:
             "host": host_profile(model, device, states, row, start + 1)}
 
 
+def kernel_profile(fn) -> dict:
+    """Kernel times of one call of `fn`, largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return {"gpu_busy_seconds": sum(r[1] for r in rows),
+            "top": [{"kernel": k[:90], "seconds": s, "count": c} for k, s, c in rows[:25]]}
+
+
 @torch.no_grad()
 def host_profile(model, device, states, row, start) -> list[dict]:
     """Where the host's time in one decode step goes: deepserve's functions by cumulative time (cProfile)."""
@@ -345,6 +360,10 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
             out["prefill"][n] = {"error": f"out of memory: {e}"[:200]}
         torch.cuda.empty_cache() if torch.device(device).type == "cuda" else None
         print(f"  deepserve prefill {n}: {out['prefill'][n]}", flush=True)
+        if n == 8192 and torch.device(device).type == "cuda":
+            out["prefill_profile"] = kernel_profile(run)
+            for k in out["prefill_profile"]["top"][:10]:
+                print(f"      {1e3 * k['seconds']:7.3f} ms {k['count']:6d}x {k['kernel'][:70]}")
     for b in decode_batches:
         for ctx in sorted({context, long_context if b in (1, 64) else context}):
             prompts = [torch.randint(2, vocab, (ctx,), generator=g).tolist() for _ in range(b)]
