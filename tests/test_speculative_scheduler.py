@@ -1,0 +1,68 @@
+"""Draft bookkeeping in the scheduler (plain Python, real KV manager): drafts are catch-up tokens, rejected ones
+move `num_computed_tokens` back, kept ones are appended through the stop rules, and the planner and the limits
+trim what is verified."""
+
+from __future__ import annotations
+
+from deepserve.core.kv import KVCacheManager
+from deepserve.core.request import Request
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.core.scheduler.scheduler import Scheduler
+
+
+def make(max_tokens=20, planner=None, max_model_len=4096):
+    kv = KVCacheManager(8, 128, True)
+    scheduler = Scheduler(kv, None, 4, 64, max_model_len, eos_token_ids={0}, verify_planner=planner)
+    request = Request("r", list(range(10, 20)), SamplingParams(temperature=0, max_tokens=max_tokens))
+    scheduler.add_request(request)
+    plan = scheduler.schedule()  # the prompt
+    scheduler.update_from_output(plan, {"r": 50}, drafts={"r": [51, 52, 53, 54]}, confidences={"r": [.9] * 4})
+    return scheduler, request, kv
+
+
+def test_drafts_ride_the_catch_up_and_rejections_move_it_back():
+    scheduler, request, kv = make()
+    assert request.spec_token_ids == [51, 52, 53, 54] and request.num_draft_tokens == 4
+    plan = scheduler.schedule()
+    (chunk,) = plan.chunks
+    assert (chunk.start, chunk.token_ids, chunk.samples, chunk.num_draft_tokens) == (10, (50, 51, 52, 53, 54), True, 4)
+    assert len(kv.block_tables["r"]) == 1 and request.num_computed_tokens == 15  # pages for every verified token
+    scheduler.update_from_output(plan, {"r": 77}, num_accepted={"r": 2}, drafts={"r": [78, 79, 80, 81]})
+    assert request.output_token_ids == [50, 51, 52, 77]
+    assert request.num_computed_tokens == 13  # 50, 51, 52 are in the cache; 77 is the next to compute
+    assert (request.num_verified_tokens, request.num_accepted_tokens) == (4, 2)
+    assert scheduler.schedule().chunks[0].token_ids == (77, 78, 79, 80, 81)
+
+
+def test_limits_and_the_planner_trim_what_is_verified():
+    scheduler, request, _ = make(max_tokens=3)  # 1 output so far, 2 to go: the step may keep 1 draft + 1 token
+    assert scheduler.schedule().chunks[0].num_draft_tokens == 1
+    scheduler, request, _ = make()
+    scheduler.max_num_batched_tokens = 3  # the step's token budget holds the last token and 2 drafts
+    assert scheduler.schedule().chunks[0].num_draft_tokens == 2
+    seen = []
+
+    def planner(confidences):
+        seen.append(confidences)
+        return [1]
+
+    scheduler, request, _ = make(planner=planner)
+    assert scheduler.schedule().chunks[0].token_ids == (50, 51)
+    assert seen == [[[0.9] * 4]]
+
+
+def test_a_stop_inside_kept_drafts_ends_the_request_there():
+    scheduler, request, kv = make()
+    request.spec_token_ids = [51, 0, 53, 54]  # the second draft is EOS
+    plan = scheduler.schedule()
+    finished = scheduler.update_from_output(plan, {"r": 9}, num_accepted={"r": 4}, drafts={"r": [1, 2, 3, 4]})
+    assert finished == [request] and request.finish_reason == "stop"
+    assert request.output_token_ids == [50, 51, 0]  # nothing after the EOS is appended
+    assert not kv.block_tables and not scheduler.requests
+
+
+def test_preemption_drops_the_drafts():
+    scheduler, request, kv = make()
+    scheduler._preempt(request, type("P", (), {"preempted": []})())
+    assert request.spec_token_ids == [] and request.num_computed_tokens == 0
+    assert not kv.block_tables
