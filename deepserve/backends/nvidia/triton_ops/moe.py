@@ -100,7 +100,8 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sorted layout without a host sync: slot -> pair index (-1 = padding), block -> expert (-1 = unused)."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id back to the host to size its output (a sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
