@@ -126,12 +126,12 @@ def test_curve_prior_before_observations():
 def test_curve_learns_a_noisy_linear_step_time():
     rng = random.Random(0)
     curve = StepTimeCurve()
-    for _ in range(3000):
-        T = rng.randint(16, 400)
-        curve.observe(T, (0.010 + 0.0001 * T) * (1 + 0.1 * (rng.random() - 0.5)))
-    for T in (16, 50, 200, 400):
-        assert curve(T) == pytest.approx(0.010 + 0.0001 * T, rel=0.03)
-    assert curve(800) == pytest.approx(0.010 + 0.0001 * 800, rel=0.05)  # extrapolated with the fitted slope
+    for _ in range(5000):
+        T = rng.randint(16, 4000)  # thousands of distinct sizes, kept in a few hundred buckets
+        curve.observe(T, (0.010 + 0.00001 * T) * (1 + 0.1 * (rng.random() - 0.5)))
+    for T in (16, 50, 200, 401, 3000, 3999):
+        assert curve(T) == pytest.approx(0.010 + 0.00001 * T, rel=0.03)
+    assert curve(8000) == pytest.approx(0.010 + 0.00001 * 8000, rel=0.05)  # extrapolated with the fitted slope
     assert curve(1) == curve(16)  # flat below what was seen
 
 

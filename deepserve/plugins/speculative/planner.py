@@ -92,13 +92,17 @@ def _time(step_time: Callable[[int], float], num_tokens: int) -> float:
 class StepTimeCurve:
     """The step time t(T) as a function of the tokens T a step computes, fitted online.
 
-    `observe(T, seconds)` folds a measured step into an exponential moving average kept per T. The curve is the
-    piecewise-linear interpolation of those averages after an isotonic (non-decreasing) fit, weighted by how
-    often each T was seen: a step never gets cheaper by adding tokens, and noise must not invent a dip the
-    planner would chase. Below the smallest observed T the curve is flat; above the largest it grows with the
-    least-squares slope of the observed points (never negative). Before any observation it is the prior
-    `prior_base + prior_per_token * T`; the default prior is flat, so an unmeasured planner verifies every draft
-    with non-zero confidence, like fixed-k.
+    `observe(T, seconds)` folds a measured step into exponential moving averages (of T and of the time) kept per
+    bucket of T: exact below 64 tokens, then 16 buckets per doubling, so a few hundred knots cover any step size
+    and refitting stays cheap. The curve is the piecewise-linear interpolation of those averages after an
+    isotonic (non-decreasing) fit, weighted by how often each bucket was seen: a step never gets cheaper by
+    adding tokens, and noise must not invent a dip the planner would chase. Below the smallest observed T the
+    curve is flat; above the largest it grows with the least-squares slope of the observed points (never
+    negative). Before any observation it is the prior `prior_base + prior_per_token * T`; the default prior is
+    flat, so an unmeasured planner verifies every draft with non-zero confidence, like fixed-k.
+
+    The curve only learns the sizes the planner chooses; a caller that wants it to see larger steps again can
+    observe an occasional fixed-k step.
     """
 
     def __init__(self, prior_base: float = 1.0, prior_per_token: float = 0.0, decay: float = 0.9) -> None:
@@ -108,9 +112,10 @@ class StepTimeCurve:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         self.prior_base, self.prior_per_token, self.decay = prior_base, prior_per_token, decay
         self._weight_cap = 1.0 / (1.0 - decay)  # an average of many steps weighs about as much as 1/(1-decay)
+        self._x: dict[int, float] = {}  # per bucket: average T, average seconds, number of observations
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
-        self._knots: tuple[list[int], list[float], float] | None = None  # xs, ys, slope beyond the last x
+        self._knots: tuple[list[float], list[float], float] | None = None  # xs, ys, slope beyond the last x
 
     @property
     def num_observations(self) -> int:
@@ -119,9 +124,13 @@ class StepTimeCurve:
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 0 or not seconds > 0 or math.isinf(seconds):
             raise ValueError(f"bad observation ({num_tokens} tokens, {seconds} s)")
-        old = self._mean.get(num_tokens)
-        self._mean[num_tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
+        b = _bucket(num_tokens)
+        if b in self._mean:
+            self._x[b] = self.decay * self._x[b] + (1 - self.decay) * num_tokens
+            self._mean[b] = self.decay * self._mean[b] + (1 - self.decay) * seconds
+        else:
+            self._x[b], self._mean[b] = float(num_tokens), seconds
+        self._count[b] = self._count.get(b, 0) + 1
         self._knots = None
 
     def __call__(self, num_tokens: int) -> float:
@@ -138,23 +147,31 @@ class StepTimeCurve:
         x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
         return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
 
-    def _fit(self) -> tuple[list[int], list[float], float]:
-        xs = sorted(self._mean)
+    def _fit(self) -> tuple[list[float], list[float], float]:
+        buckets = sorted(self._mean)  # a bucket's average T stays inside it, so these xs are increasing
+        xs = [self._x[b] for b in buckets]
         # pool adjacent violators: blocks of [weighted mean, weight, number of points]
         blocks: list[list[float]] = []
-        for x in xs:
-            blocks.append([self._mean[x], min(float(self._count[x]), self._weight_cap), 1])
+        for b in buckets:
+            blocks.append([self._mean[b], min(float(self._count[b]), self._weight_cap), 1])
             while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                 y2, w2, n2 = blocks.pop()
                 y1, w1, n1 = blocks[-1]
                 blocks[-1] = [(y1 * w1 + y2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
         ys = [y for y, _, n in blocks for _ in range(int(n))]
-        return xs, ys, self._slope(xs)
+        return xs, ys, self._slope(xs, [self._mean[b] for b in buckets])
 
-    def _slope(self, xs: list[int]) -> float:
+    def _slope(self, xs: list[float], ys: list[float]) -> float:
         if len(xs) < 2:
             return self.prior_per_token
-        mx = sum(xs) / len(xs)
-        my = sum(self._mean[x] for x in xs) / len(xs)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
-        return max(0.0, sum((x - mx) * (self._mean[x] - my) for x in xs) / sxx)
+        return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx) if sxx > 0 else self.prior_per_token
+
+
+def _bucket(num_tokens: int) -> int:
+    """Exact below 64 tokens, then 16 buckets per doubling (each bucket is keyed by its lowest T)."""
+    if num_tokens < 64:
+        return num_tokens
+    shift = num_tokens.bit_length() - 5
+    return (num_tokens >> shift) << shift
