@@ -155,13 +155,16 @@ def plot(record: dict, path: Path) -> None:
         return
     results = record["results"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"none": "tab:gray", "mtp": "tab:blue", "dspark": "tab:orange"}
     for method, runs in results.items():
         xs = [r["concurrency"] for r in runs]
-        ax1.plot(xs, [r["throughput_tok_s"] for r in runs], marker="o", label=method)
+        color = colors.get(method)
+        ax1.plot(xs, [r["throughput_tok_s"] for r in runs], marker="o", label=method, color=color)
         if method != "none":
-            ax2.plot(xs, [r["verified_per_step"] for r in runs], marker="o", linestyle="--",
+            ax2.plot(xs, [r["verified_per_step"] for r in runs], marker="o", linestyle="--", color=color,
                      label=f"{method}: verified")
-            ax2.plot(xs, [r["accepted_per_step"] for r in runs], marker="s", label=f"{method}: accepted")
+            ax2.plot(xs, [r["accepted_per_step"] for r in runs], marker="s", color=color,
+                     label=f"{method}: accepted")
     ax1.set(xlabel="concurrent sequences", ylabel="output tokens / s", title="throughput")
     ax2.set(xlabel="concurrent sequences", ylabel="drafts per sequence-step", title="verified and accepted drafts")
     for ax in (ax1, ax2):
@@ -173,5 +176,15 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def replot(json_path: Path) -> None:
+    """Redraw the plot of a saved run (`python bench/speculative.py --replot docs/bench_speculative_cpu.json`)."""
+    record = json.loads(json_path.read_text())
+    plot(record, json_path.parent / f"speculative_{record['device']}.png")
+    print(table(record))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":
+        replot(Path(sys.argv[2]))
+    else:
+        main()
