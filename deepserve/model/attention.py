@@ -79,7 +79,8 @@ class Attention(nn.Module):
     def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
         """Concatenate each sequence's window rows and compressed rows; index them per query. Also returns, per
         sequence, (first position, rows) of the window rows gathered."""
-        if all(c.length == 1 and not c.snapshots for c in batch.chunks):
+        n = batch.chunks[0].length if batch.chunks else 0
+        if n <= self.window and all(c.length == n and not c.snapshots for c in batch.chunks):
             return self._decode_key_pool(kv, batch, states, compressed)
         W, device = self.window, kv.device
         pieces, index_parts, windows, base = [], [], [], 0
@@ -105,11 +106,12 @@ class Attention(nn.Module):
         return torch.cat(pieces), indices, windows
 
     def _decode_key_pool(self, kv, batch: ForwardBatch, states, compressed):
-        """`_key_pool` for a step of one new token per sequence, in a constant number of launches: each whole
-        ring goes into the pool as it is and the indices name its slots (the same keys in the same order as the
-        general path, so the same results), the new rows go last. Per-sequence gathers were most of a decode
-        step's launches."""
-        W, device, B = self.window, kv.device, kv.shape[0]
+        """`_key_pool` for a step of n <= window new tokens per sequence (decode: n = 1; speculative verify: 1 + k),
+        in a constant number of launches: each whole ring goes into the pool as it is and the indices name its
+        slots (the same keys in the same order as the general path, so the same results), the new rows go last.
+        Per-sequence gathers were most of a decode step's launches."""
+        W, device, T = self.window, kv.device, kv.shape[0]
+        n = batch.chunks[0].length
         pieces, ring_base, comp_base, base = [], [], [], 0
         for st in states:
             pieces.append(st.window.ring)
@@ -121,11 +123,14 @@ class Attention(nn.Module):
                 comp_base.append(base)
                 base += rows.num_rows
         pieces.append(kv)
-        old_pos = batch.positions[:, None] - (W - 1) + torch.arange(W - 1, device=device)[None, :]
-        ring_start = torch.tensor(ring_base, device=device)[:, None]
-        old = torch.where(old_pos >= 0, ring_start + old_pos % W, torch.full_like(old_pos, -1))
-        parts = [old, (base + torch.arange(B, device=device))[:, None]]
+        key_pos = batch.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [T, W]
+        row = torch.arange(T, device=device)[:, None]
+        chunk_start = batch.positions[:, None] - row % n  # the first new position of each query's chunk
+        ring_start = torch.tensor(ring_base, device=device).repeat_interleave(n)[:, None]
+        new = base + row - (batch.positions[:, None] - key_pos)  # the new rows of the query's own chunk
+        window = torch.where(key_pos < chunk_start, ring_start + key_pos % W, new)
+        parts = [torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))]
         if compressed is not None:
-            comp_start = torch.tensor(comp_base, device=device)[:, None]
+            comp_start = torch.tensor(comp_base, device=device).repeat_interleave(n)[:, None]
             parts.append(torch.where(compressed >= 0, comp_start + compressed, compressed))
         return torch.cat(pieces), torch.cat(parts, dim=1), [(c.start, None) for c in batch.chunks]
