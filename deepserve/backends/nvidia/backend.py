@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +12,14 @@ import torch.nn.functional as F
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.core.interfaces import BackendUnavailable
 
+logger = logging.getLogger(__name__)
+
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -61,11 +68,13 @@ class NvidiaBackend(ReferenceBackend):
         self.fast = fast
         self.kernels = None
         if fast and triton_available():
-            from . import triton_ops  # noqa: F401  (fails here, not mid-forward, if triton is broken)
-            from .triton_ops import attention, elementwise, indexer, mhc, moe
-
-            self.kernels = type("Kernels", (), dict(attention=attention, elementwise=elementwise, indexer=indexer,
-                                                     mhc=mhc, moe=moe))
+            try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
+                from .triton_ops import attention, elementwise, indexer, mhc, moe
+            except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
+                logger.warning("triton is installed but its kernels do not import (%s): running without them", e)
+            else:
+                self.kernels = SimpleNamespace(attention=attention, elementwise=elementwise, indexer=indexer, mhc=mhc,
+                                               moe=moe)
 
     def __repr__(self) -> str:
         major, minor = self.compute_capability
