@@ -15,7 +15,10 @@ from pathlib import Path
 def _generate(args: argparse.Namespace) -> int:
     from deepserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len)
+    from deepserve.core.config import SpeculativeConfig
+
+    llm = LLM(args.model, dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
+              speculative_config=SpeculativeConfig.parse(args.speculative_config))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop or None)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--speculative-config", default=None, help="speculative decoding as JSON (see serve --help)")
     gen.set_defaults(func=_generate)
     plug = sub.add_parser("plugins", help="list the plugins that load, and the hooks each implements")
     plug.add_argument("--builtin-only", action="store_true", help="skip third-party entry points")
