@@ -408,3 +408,4 @@ async def test_openapi_documents_the_structured_output_fields(client):
     completion = request_schema(doc, "CompletionRequest")
     assert not completion.is_valid({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}})
     assert not completion.is_valid({"model": MODEL, "prompt": "x", "structured_outputs": {"frob": 1}})
+    assert completion.is_valid({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a", "after_token": 6}})

@@ -55,7 +55,9 @@ _STRUCTURED_OUTPUTS = {
         "json_object": {"const": True}, "regex": _TEXT,
         "grammar": dict(_TEXT, description="Lark (`start:`) or GBNF (`root ::=`)"), "choice": _CHOICES,
         "backend": dict(_TEXT, description="a registered grammar backend (default: the server's)"),
-        "compact_json": _BOOL, "ascii_classes": _BOOL}.items()}}
+        "compact_json": _BOOL, "ascii_classes": _BOOL,
+        "after_token": {"type": "integer", "minimum": 0,
+                        "description": "the constraint starts after this token id is generated"}}.items()}}
 _GUIDED = {"structured_outputs": {"anyOf": [_STRUCTURED_OUTPUTS, {"type": "null"}]},
            "guided_json": _nullable({"anyOf": [_SCHEMA_OBJ, {"type": "string"}],
                                      "description": "vLLM's older name for structured_outputs.json"}),
