@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 
 import pytest
 import torch
@@ -254,3 +255,19 @@ def test_one_fill_call_serves_open_and_closed_gates(compiler, tok, backend):
     assert compiled.backend.fill_bitmasks(bitmask, [(closed, 0), (opened, 1)]) == []
     assert len(row_ids(bitmask, 0)) == V4_VOCAB - 1
     assert tok.decode(row_ids(bitmask, 1)[:1]) and EOS not in row_ids(bitmask, 1)
+
+
+@pytest.mark.parametrize("name, package, module", [
+    ("xgrammar", "xgrammar", "xgrammar_backend"), ("outlines", "outlines_core", "outlines_backend")])
+def test_a_backend_whose_package_is_missing_names_the_install(monkeypatch, name, package, module):
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, f"deepserve.plugins.structured.{module}", raising=False)
+    factories = collect_registrations(make_plugin_manager(load_entrypoints=False),
+                                      "deepserve_register_grammar_backends")
+    compiler = GrammarCompiler(factories, TokenizerInfo(real_tokenizer_json(), V4_VOCAB, (EOS,)))
+    try:
+        with pytest.raises(GrammarError, match=rf"pip install 'deepserve\[{name}\]'"):
+            compiler.compile(GrammarSpec.parse({"regex": "a", "backend": name}))
+        compiler.compile(GrammarSpec.parse({"regex": "a"}))  # the default backend still works
+    finally:
+        compiler.shutdown()
