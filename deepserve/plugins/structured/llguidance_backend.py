@@ -33,8 +33,9 @@ def escape_regex(text: str) -> str:
     return "".join(c if (c.isascii() and c.isalnum()) or c == "_" else f"\\x{{{ord(c):X}}}" for c in text)
 
 
-def _check_bitmask(bitmask: torch.Tensor) -> None:
-    # llguidance writes through a raw pointer: anything but a contiguous int32 CPU matrix would be corrupted
+def check_bitmask(bitmask: torch.Tensor) -> None:
+    """Refuse what a grammar engine writing through a raw pointer would corrupt: anything but a contiguous int32
+    CPU matrix."""
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 \
             or not bitmask.is_contiguous():
         raise ValueError(f"a grammar bitmask must be a contiguous int32 CPU matrix, got {bitmask.dtype} "
@@ -51,7 +52,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._matcher.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        _check_bitmask(bitmask)
+        check_bitmask(bitmask)
         target = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
@@ -120,7 +121,7 @@ class LLGuidanceBackend(GrammarBackend):
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=self._pin)
 
     def fill_bitmasks(self, bitmask: torch.Tensor, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[int]:
-        _check_bitmask(bitmask)
+        check_bitmask(bitmask)
         num_rows, words = bitmask.shape
         self._executor.unsafe_compute_mask_ptr([(m._matcher, row) for m, row in rows], bitmask.data_ptr(),
                                                words * 4, num_rows)

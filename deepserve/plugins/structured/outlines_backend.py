@@ -16,21 +16,20 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import llguidance
 import torch
 
 from deepserve.core.interfaces import BackendUnavailable
 from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec, TokenizerInfo
+from deepserve.plugins.structured.llguidance_backend import JSON_OBJECT_SCHEMA, check_bitmask, escape_regex
 from deepserve.plugins.structured.vocabulary import token_bytes
 
 try:
-    import llguidance
     import outlines_core
     from outlines_core.json_schema import build_regex_from_schema
 except ImportError as exc:  # raised when the backend is built, i.e. when a request first asks for it
     raise BackendUnavailable("the outlines grammar backend needs the outlines-core package: "
                              "pip install 'deepserve[outlines]'") from exc
-
-from deepserve.plugins.structured.llguidance_backend import JSON_OBJECT_SCHEMA, escape_regex
 
 #: how many tokens a matcher can roll back (speculative decoding's drafts)
 MAX_ROLLBACK = 64
@@ -112,11 +111,10 @@ class OutlinesMatcher(GrammarMatcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]
-        if self._error or not target.is_contiguous() or bitmask.dtype != torch.int32:
-            if not self._error:
-                raise ValueError(f"a grammar bitmask must be a contiguous int32 CPU matrix, got {bitmask.dtype}")
+        if self._error:
             target.zero_()
             return
+        check_bitmask(bitmask)
         self.guide.write_mask_into(target.data_ptr(), target.numel(), 4)
         if self.backend.extra_eos and self.guide.is_finished():
             for token in self.backend.extra_eos:
