@@ -186,20 +186,22 @@ def mask_after(compiled, tokens) -> torch.Tensor:
     return bitmask[0]
 
 
-@pytest.mark.parametrize("draft_text, num_accepted", [("12-ab", 5), ("12-a", 4), ("1x-ab", 1), ("a", 0), ("", 0)])
+@pytest.mark.parametrize("draft_text, num_accepted", [("12-ab", 5), ("12-a", 4), ("1x-ab", 1), ("a", 0), ("", 0),
+                                                      ("12-ab$", 6), ("12-ab$1", 6)])
 def test_fill_draft_masks_verifies_drafts_without_moving_the_matcher(compiler, tok, backend, draft_text,
                                                                     num_accepted):
     compiled = compiler.compile(GrammarSpec.parse({"regex": r"[0-9]{2}-[a-z]{2}", "backend": backend}))
-    draft = [tok.token_to_id(c) for c in draft_text]
+    draft = [EOS if c == "$" else tok.token_to_id(c) for c in draft_text]  # "$": EOS, accepted at the end
     matcher = compiled.new_matcher()
     bitmask = compiled.backend.allocate_bitmask(len(draft) + 3)
     bitmask[:] = 0x5A5A  # rows the contract leaves alone keep this
     assert matcher.fill_draft_masks(draft, bitmask, first_row=1) == num_accepted
-    for i in range(num_accepted + 1):  # row 1 + i: the mask after draft[:i]
+    num_rows = num_accepted if EOS in draft[:num_accepted] else num_accepted + 1  # no row after an EOS
+    for i in range(num_rows):  # row 1 + i: the mask after draft[:i]
         assert torch.equal(bitmask[1 + i], mask_after(compiled, draft[:i])), i
-    assert (bitmask[0] == 0x5A5A).all() and (bitmask[2 + num_accepted:] == 0x5A5A).all()
-    if num_accepted == len(draft) == 5:
-        assert row_ids(bitmask, 6) == [EOS]  # the bonus row: the regex is complete
+    assert (bitmask[0] == 0x5A5A).all() and (bitmask[1 + num_rows:] == 0x5A5A).all()
+    if num_accepted >= 5:
+        assert row_ids(bitmask, 6) == [EOS]  # after "12-ab" the regex is complete: only EOS
     assert not matcher.is_error() and torch.equal(mask_after(compiled, []), bitmask[1])
     assert all(matcher.consume(t) for t in [tok.token_to_id(c) for c in "34-cd"])  # it had not moved
     assert matcher.is_terminated()
@@ -244,6 +246,8 @@ def test_draft_masks_cross_the_think_end(compiler, tok, backend):
     assert len(row_ids(bitmask, 0)) == len(row_ids(bitmask, 1)) == V4_VOCAB - 1
     assert tok.token_to_id("x") not in row_ids(bitmask, 3) and tok.token_to_id("8") in row_ids(bitmask, 3)
     assert not matcher.is_open  # unchanged
+    assert matcher.fill_draft_masks([tok.token_to_id("a"), EOS], bitmask, 0) == 1  # no EOS while thinking
+    assert matcher.fill_draft_masks([think_end, tok.token_to_id("7"), EOS], bitmask, 0) == 3  # EOS ends it after 7
 
 
 def test_one_fill_call_serves_open_and_closed_gates(compiler, tok, backend):

@@ -198,6 +198,11 @@ class GrammarMatcher(ABC):
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` consumed tokens (speculative decoding rejects draft tokens)."""
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """True for an end-of-sequence id (the tokenizer's EOS ids the backend was built with): a sampled one
+        ends the request rather than being consumed. Backends override this; the default knows none."""
+        return False
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (fast-forward); [] when none or unknown.
 
@@ -215,7 +220,9 @@ class GrammarMatcher(ABC):
         accepted (n == k) the last one is the mask for the bonus token after them; when draft i = n is rejected,
         row first_row + n is the mask that rejects it, which the verifier resamples with. Rows past
         first_row + n are not written: a verifier never samples past the first rejected draft. A token outside
-        the bitmask's width counts as rejected.
+        the bitmask's width counts as rejected. An end-of-sequence draft (`is_stop_token`) that its row allows
+        is accepted and ends the verification there: it is the n-th accepted token, nothing after it is looked
+        at, and no row follows it (rows first_row..first_row+n-1 are written).
 
         The matcher ends in the state it started in (the accepted drafts are consumed, then rolled back): the
         caller then `consume`s the tokens it keeps, as it does sampled ones. A matcher already in error accepts
@@ -228,7 +235,11 @@ class GrammarMatcher(ABC):
             for token in draft_tokens:
                 row = first_row + num_accepted
                 self.fill_bitmask(bitmask, row)
-                if self.is_error() or not _allows(bitmask, row, token) or not self.consume(token):
+                if self.is_error() or not _allows(bitmask, row, token):
+                    return num_accepted
+                if self.is_stop_token(token):  # the sequence ends here: counted, not consumed
+                    return num_accepted + 1
+                if not self.consume(token):
                     return num_accepted
                 num_accepted += 1
             self.fill_bitmask(bitmask, first_row + num_accepted)
@@ -305,6 +316,9 @@ class GatedMatcher(GrammarMatcher):
         if num_tokens > from_inner:  # the opening token goes back too
             self.is_open = False
             self.num_before -= num_tokens - from_inner
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return self.inner.is_stop_token(token_id)
 
     def forced_tokens(self) -> list[int]:
         return self.inner.forced_tokens() if self.is_open else []

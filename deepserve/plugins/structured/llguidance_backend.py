@@ -43,10 +43,13 @@ def check_bitmask(bitmask: torch.Tensor) -> None:
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "_stop_token_ids")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self._matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int] = frozenset()) -> None:
+        self._matcher, self._stop_token_ids = matcher, stop_token_ids
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return token_id in self._stop_token_ids
 
     def consume(self, token_id: int) -> bool:
         return self._matcher.consume_token(token_id)
@@ -78,6 +81,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer: TokenizerInfo, num_threads: int | None = None) -> None:
         self.vocab_size = tokenizer.vocab_size
+        self.stop_token_ids = frozenset(tokenizer.eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size,
                                                 eos_token=list(tokenizer.eos_token_ids) or None)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
@@ -115,7 +119,7 @@ class LLGuidanceBackend(GrammarBackend):
         return prototype
 
     def new_matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy())
+        return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=self._pin)

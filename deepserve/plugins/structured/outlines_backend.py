@@ -123,6 +123,9 @@ class OutlinesMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return not self._error and self.grammar.is_terminal(self.guide.get_state(), self.backend.eos)
 
+    def is_stop_token(self, token_id: int) -> bool:
+        return token_id == self.backend.eos or token_id in self.backend.extra_eos
+
     def is_error(self) -> bool:
         return bool(self._error)
 

@@ -66,6 +66,9 @@ class XGrammarMatcher(GrammarMatcher):
         scratch[0, self.backend.eos_words] &= ~self.backend.eos_bits
         return not bool(scratch.any())
 
+    def is_stop_token(self, token_id: int) -> bool:
+        return token_id in self.backend.stop_token_ids
+
     def is_error(self) -> bool:
         return bool(self._error)
 
@@ -85,6 +88,7 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, tokenizer: TokenizerInfo, num_threads: int | None = None) -> None:
         self.vocab_size = tokenizer.vocab_size
+        self.stop_token_ids = frozenset(tokenizer.eos_token_ids)
         vocab = [data or b"" for data in token_bytes(tokenizer)]
         self.info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=tokenizer.vocab_size,
                                            stop_token_ids=list(tokenizer.eos_token_ids), add_prefix_space=False)
