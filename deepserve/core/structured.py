@@ -47,8 +47,8 @@ class GrammarSpec:
     grammar engine by its registered name (None: the engine's default). `compact_json`: JSON without free
     whitespace (the default; False allows whitespace between tokens). `ascii_classes`: `\\d`, `\\w`, `\\s` in
     regexes match ASCII only (the default). `after_token`: the constraint starts after this token id is generated
-    (every token is allowed until then, that one included): a thinking model's `</think>`, so the reasoning is
-    free and the answer is constrained. None: from the first output token.
+    (every token but EOS is allowed until then, that one included): a thinking model's `</think>`, so the
+    reasoning is free and the answer is constrained. None: from the first output token.
     """
 
     kind: str
