@@ -49,7 +49,7 @@ class LLM:
 
     `speculative_config` (vLLM's shape, `{"method": "mtp" | "dspark", "num_speculative_tokens": 5}`, a JSON
     string, or `DEEPSERVE_SPECULATIVE_CONFIG`) turns on speculative decoding with a proposer registered through
-    `deepserve_register_proposers`; it runs the engine without asynchronous scheduling (docs/speculative.md).
+    `deepserve_register_proposers` (docs/speculative.md).
     """
 
     def __init__(

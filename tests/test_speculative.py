@@ -1,5 +1,6 @@
 """Speculative decoding end to end: with greedy sampling the engine's tokens are exactly the non-speculative
-ones, through continuous batching, prefix-cache hits, forced preemption and aborts, on a random tiny model
+ones, through continuous batching, prefix-cache hits, forced preemption and aborts, with asynchronous
+scheduling (drafts verified as placeholders, relative chunks) and without, on a random tiny model
 (drafts nearly always rejected: rollback every step) and on the embedded trained model (drafts often kept);
 every page, slot and draft is released at the end; configuration errors name the field."""
 
@@ -129,13 +130,15 @@ def test_prefix_hits_preemption_and_aborts(demo_dir, embedded_pair):
 
     # pages for 5 requests of ~115 tokens growing past a page: preemption by recompute, drafts and all
     page = bytes_per_page(spec.model, 128, torch.float32, with_mtp=True)
-    small = make_llm(EMBEDDED, speculative_config=SPEC, kv_cache_bytes=5 * page)
     crowd = [(rng.randint(0, 3), [rng.randrange(2, vocab) for _ in range(rng.randint(100, 120))],
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for _ in range(7)]
     ref_tokens = tokens_of(serve(plain, crowd))
-    assert tokens_of(serve(small, crowd)) == ref_tokens
-    assert small.engine.scheduler.num_preemptions > 0
-    assert_everything_free(small)
+    for async_scheduling in (False, True):  # preempted while a verify step is in flight, or not
+        small = make_llm(EMBEDDED, speculative_config=SPEC, kv_cache_bytes=5 * page,
+                         async_scheduling=async_scheduling)
+        assert tokens_of(serve(small, crowd)) == ref_tokens
+        assert small.engine.scheduler.num_preemptions > 0
+        assert_everything_free(small)
 
     aborts = [(2, [0, 3]), (5, [5, 6])]
     outs = serve(small, crowd, aborts)
@@ -198,7 +201,7 @@ def test_config_sources(demo_dir, monkeypatch):
     monkeypatch.setenv("DEEPSERVE_SPECULATIVE_CONFIG", '{"method": "mtp", "num_speculative_tokens": 2}')
     llm = make_llm(demo_dir)
     assert llm.config.speculative_config == SpeculativeConfig("mtp", 2)
-    assert llm.engine.num_speculative_tokens == 2 and not llm.engine.async_scheduling
+    assert llm.engine.num_speculative_tokens == 2 and llm.engine.async_scheduling
     assert llm.cache.mtp_layers  # the drafter's window lives in the paged cache
 
 

@@ -11,8 +11,10 @@ N's forward) waits for just before sampling. Grammars compile on the `GrammarCom
 whose grammar is not ready prefills but does not sample (the scheduler stops it short).
 
 Speculative decoding (`num_speculative_tokens` > 0): the runner drafts after every step and the next step
-verifies the drafts. A step's plan needs the previous step's kept count and drafts, so speculation runs the
-pipeline synchronously (asynchronous scheduling is switched off while it is on). Requests with `logprobs`,
+verifies the drafts. With asynchronous scheduling, step N + 1 is planned before step N's kept count and drafts
+are known: a request verifying in N verifies N's drafts in N + 1 as placeholders the runner fills, from
+wherever N's kept drafts leave it (a *relative* chunk; see the scheduler), and DSpark plans N + 1's verify
+lengths from the confidences of the drafts before (one step old). Requests with `logprobs`,
 or still under `min_tokens`, do not draft (they decode one token per step as before). Constrained requests do:
 their matcher checks the drafts and fills one mask row per verified position (`fill_draft_masks`), so the
 target distribution the drafts are verified against is the grammar-masked one. With a
@@ -29,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from deepserve.core.interfaces import ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
+from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import CompletionOutput, RequestOutput
 from deepserve.core.request import Request
 from deepserve.core.sampling_params import SamplingParams
@@ -118,8 +120,6 @@ class EngineCore:
         `verify_planner`: DSpark's planner (`plan(confidences) -> lengths`, `observe(num_tokens, seconds)`)."""
         self.scheduler, self.executor, self.cost_model = scheduler, executor, cost_model
         self.num_speculative_tokens, self.verify_planner = num_speculative_tokens, verify_planner
-        if num_speculative_tokens:
-            async_scheduling = False  # the next plan needs this step's kept drafts (see the module docstring)
         if verify_planner is not None:
             scheduler.verify_planner = verify_planner.plan
         self.grammars = grammars  # None: this engine refuses structured-output requests
@@ -230,16 +230,19 @@ class EngineCore:
                 targets = tuple(request.prompt_token_ids[c.start + 1 : min(end, request.num_prompt_tokens - 1) + 1])
             table = tuple(self.scheduler.kv.block_tables.get(c.request_id, ()))
             snaps = ()
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and not c.relative:  # a relative chunk's runner finds its boundaries
                 P = self.page_size
                 snaps = tuple((b, table[b // P - 1]) for b in range((c.start // P + 1) * P, end + 1, P))
             speculate = next_token = None
             if self.num_speculative_tokens:
                 speculate = self.num_speculative_tokens if c.samples and self._may_draft(tracker) else 0
-                if not c.samples:
+                if c.samples:
+                    request.num_drafts_in_flight = speculate
+                else:
                     next_token = request.all_token_ids[end]
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
-                                     blocked, targets, snaps, c.num_draft_tokens, next_token, speculate or 0))
+                                     blocked, targets, snaps, c.num_draft_tokens, next_token, speculate or 0,
+                                     c.relative))
         return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids,
                          masks.masks if masks is not None else None)
 
@@ -364,15 +367,18 @@ class EngineCore:
         verifying: list[tuple[GrammarMatcher, tuple[int, ...], int]] = []
         row = 0
         for i, request_id in enumerate(pending.request_ids):
-            drafts = pending.drafts[i] if pending.drafts else ()
+            planned = pending.drafts[i] if pending.drafts else ()
             tracker = self._trackers.get(request_id)
-            if tracker is not None and not tracker.request.is_finished:  # else its sample is discarded
-                live[row] = tracker
+            drafts = planned
+            if DRAFT_PLACEHOLDER in planned and tracker is not None:  # the drafts of the step just applied
+                drafts = tuple(tracker.request.spec_token_ids[: len(planned)])
+            if tracker is not None and not tracker.request.is_finished and len(drafts) == len(planned):
+                live[row] = tracker  # else its sample is discarded
                 if drafts:
                     verifying.append((tracker.grammar.matcher, drafts, row))
                 else:
                     by_backend.setdefault(tracker.grammar.backend, []).append((tracker.grammar.matcher, row))
-            row += 1 + len(drafts)
+            row += 1 + len(planned)
         try:
             backends = list(by_backend) or [live[r].grammar.backend for _, _, r in verifying]
             bitmask = backends[0].allocate_bitmask(row) if backends else None

@@ -145,6 +145,8 @@ class Backend(ABC):
 
 #: a token id the runner takes from its previous step's samples (asynchronous scheduling)
 PLACEHOLDER = -1
+#: a draft token the runner takes from the drafts its previous step made (asynchronous speculative decoding)
+DRAFT_PLACEHOLDER = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,10 @@ class ChunkInput:
     samples; the runner keeps a prefix of them and rolls its state back past the rest). `next_token_id` is the
     token after the chunk when the chunk does not sample (the drafter pairs every position with its next
     token). `num_speculative_tokens`: how many tokens to draft for this request after the step (0: none).
+    With asynchronous scheduling the drafts may be `DRAFT_PLACEHOLDER`s (the drafts the previous step makes),
+    and a chunk planned while the request's previous verify step is still running is `relative`: it continues
+    wherever that step's kept drafts leave the sequence, so the runner ignores `start` (an upper bound) and
+    computes the page snapshots itself.
     """
 
     request_id: str
@@ -177,6 +183,7 @@ class ChunkInput:
     num_draft_tokens: int = 0
     next_token_id: int | None = None
     num_speculative_tokens: int = 0
+    relative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

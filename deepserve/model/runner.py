@@ -15,6 +15,7 @@ the host twice: the kept counts and tokens (the drafter's batch layout depends o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from deepserve.backends.reference.sampling import compute_logprobs, suppress_tokens, top_logprobs
-from deepserve.core.interfaces import (PLACEHOLDER, Backend, ChunkInput, ModelExecutor, StepInput, StepMasks,
-                                       StepOutput)
+from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, ChunkInput, ModelExecutor,
+                                       StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict
 
 from .batch import make_batch
@@ -51,6 +52,7 @@ class ModelRunner(ModelExecutor):
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
         self._draft_probs: dict[str, torch.Tensor] = {}  # q [k, V] of each request's pending drafts
+        self._last: dict[str, tuple[int, list[int]]] = {}  # host copies: last sampled token and drafts
 
     @property
     def num_free_slots(self) -> int:
@@ -66,11 +68,14 @@ class ModelRunner(ModelExecutor):
         for request_id in step.freed_request_ids:
             seq = self._seqs.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
+            self._last.pop(request_id, None)
             if seq is not None:
                 self.cache.free_sequence(seq.slot)
         if not step.chunks:
             return StepOutput(seconds=time.perf_counter() - began)
         chunks = step.chunks
+        if self.proposer is not None:  # placeholders and relative starts, from this runner's own last step
+            chunks = tuple(self._resolve(c) for c in chunks)
         states = [self._state_for(c) for c in chunks]
         rows = [range(len(c.token_ids)) if c.prompt_targets else
                 range(len(c.token_ids) - 1 - c.num_draft_tokens, len(c.token_ids)) for c in chunks]
@@ -89,6 +94,9 @@ class ModelRunner(ModelExecutor):
             grammar = self._verify_masks(step.masks, sampling, chunks, logits.shape[-1], out) if sampling else None
             kept = self._verify(logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
             self._propose(forward.streams, batch, chunks, kept, out)
+            for c in chunks:
+                if c.samples:
+                    self._last[c.request_id] = (out.sampled[c.request_id], out.draft_token_ids.get(c.request_id, []))
             self._prompt_logprobs(logits, rows, chunks, out)
             out.seconds = time.perf_counter() - began
             return out
@@ -143,6 +151,22 @@ class ModelRunner(ModelExecutor):
         row_of = {chunk_index: row for row, chunk_index in enumerate(sampling)}
         rows = [row_of[i] for i in masks.chunk_indices]
         return rows, mask_bias(bitmask, vocab_size, self.device)
+
+    def _resolve(self, chunk: ChunkInput) -> ChunkInput:
+        """Fill a chunk's placeholders (the token and drafts this runner's previous step made for the request) and
+        give a relative chunk its real start: where the previous step's kept drafts left the sequence."""
+        ids = chunk.token_ids
+        if not chunk.relative and PLACEHOLDER not in ids and DRAFT_PLACEHOLDER not in ids:
+            return chunk
+        sampled, drafts = self._last[chunk.request_id]
+        it = iter(drafts)
+        ids = tuple(sampled if t == PLACEHOLDER else next(it) if t == DRAFT_PLACEHOLDER else t for t in ids)
+        if not chunk.relative:
+            return dataclasses.replace(chunk, token_ids=ids)
+        start = self._seqs[chunk.request_id].state.num_tokens
+        P, table = self.cache.page_size, chunk.block_table
+        snaps = tuple((b, table[b // P - 1]) for b in range((start // P + 1) * P, start + len(ids) + 1, P))
+        return dataclasses.replace(chunk, start=start, token_ids=ids, snapshots=snaps)
 
     def _verify(self, logits, last_rows: list[int], chunks, sampling: list[int], grammar, undo, out: StepOutput):
         """Keep or reject the drafts of every sampling chunk, sample the token after them, roll back. Returns

@@ -15,8 +15,12 @@ tokens on the device. If N-1's token finishes the request, its work in step N is
 Speculative decoding: a request's drafts (`Request.spec_token_ids`) are simply more tokens to catch up on.
 A decoding request with k drafts computes 1 + k tokens (its last token and the drafts); `update_from_output`
 then learns how many drafts the target kept, appends them and the token after them, and moves
-`num_computed_tokens` back past the rejected ones (their pages stay reserved for the next drafts). Drafts need
-the previous step's result, so the engine runs speculative decoding without asynchronous scheduling.
+`num_computed_tokens` back past the rejected ones (their pages stay reserved for the next drafts).
+With asynchronous scheduling, a request whose previous step is still running verifies that step's drafts as
+`DRAFT_PLACEHOLDER`s after its pending token; if that step verified drafts too, the new chunk is *relative*
+(it starts wherever the kept drafts leave the sequence, which only the runner knows), and the request's
+`num_computed_tokens` and `num_pending_tokens` are upper bounds (every draft kept) until the update corrects
+them. Pages are reserved for the upper bound.
 
 `add_request` and `abort` may be called at any time between or around those two calls. Plain Python, no torch.
 """
@@ -27,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from deepserve.core.interfaces import PLACEHOLDER
+from deepserve.core.interfaces import DRAFT_PLACEHOLDER, PLACEHOLDER
 from deepserve.core.kv.manager import KVCacheManager
 from deepserve.core.outputs import FinishReason
 from deepserve.core.request import Request, RequestStatus
@@ -51,6 +55,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     samples: bool
     num_draft_tokens: int = 0
+    relative: bool = False
 
     def __post_init__(self) -> None:
         if self.start < 0 or not self.token_ids:
@@ -179,6 +184,8 @@ class Scheduler:
         # the chunk size and the step's token budget; a prefix hit just advances num_computed_tokens when the
         # request is admitted, and a decode is simply the case where the gap is 1 token.
         plan = _StepPlan(budget=self.max_num_batched_tokens)
+        for request in self.running:
+            request.next_drafts = self._next_drafts(request)
         if self.verify_planner is not None:
             self._plan_verify_lengths()
         self._schedule_running(plan)
@@ -207,22 +214,29 @@ class Scheduler:
             if request is None:
                 continue
             new_tokens = [sampled[chunk.request_id]] if chunk.samples else []
-            if chunk.num_draft_tokens:
+            k = chunk.num_draft_tokens
+            if k:
                 kept = (num_accepted or {}).get(chunk.request_id, 0)
-                request.num_computed_tokens -= chunk.num_draft_tokens - kept  # rejected: computed again later
-                request.num_verified_tokens += chunk.num_draft_tokens
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= k - kept  # rejected: computed again later
+                request.num_inflight_verifies -= 1
+                request.num_verified_tokens += k
                 request.num_accepted_tokens += kept
-                new_tokens = list(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:][:kept]) + new_tokens
+                verified = chunk.token_ids[len(chunk.token_ids) - k:]
+                if DRAFT_PLACEHOLDER in verified:  # planned before they were known: the previous update's drafts
+                    verified = request.spec_token_ids[:k]
+                new_tokens = list(verified[:kept]) + new_tokens
             if chunk.samples:
-                request.spec_token_ids = list((drafts or {}).get(chunk.request_id, ()))
-                request.spec_confidences = list((confidences or {}).get(chunk.request_id, ()))
-                request.num_draft_tokens += len(request.spec_token_ids)
+                running = request.status is RequestStatus.RUNNING  # else the runner drops its state and drafts
+                request.spec_token_ids = list((drafts or {}).get(chunk.request_id, ())) if running else []
+                request.spec_confidences = list((confidences or {}).get(chunk.request_id, ())) if running else []
+                request.num_draft_tokens += len((drafts or {}).get(chunk.request_id, ()))
             if request.status is RequestStatus.RUNNING:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
             if not chunk.samples:
                 continue
-            request.num_pending_tokens -= 1
+            request.num_pending_tokens -= 1 + k
             if any(self._append_token(request, token) for token in new_tokens):  # stops at the first that ends it
                 if request in self.running:
                     self.running.remove(request)
@@ -232,17 +246,27 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    @staticmethod
+    def _next_drafts(request: Request) -> list[int]:
+        """The drafts a request's next chunk verifies: those of the last update, or, while a step that makes
+        new ones is still running (asynchronous scheduling), placeholders for those."""
+        if request.num_pending_tokens:
+            return [DRAFT_PLACEHOLDER] * request.num_drafts_in_flight
+        return request.spec_token_ids if not request.num_inflight_verifies else []
+
     def _plan_verify_lengths(self) -> None:
-        drafting = [r for r in self.running if r.spec_token_ids]
+        drafting = [r for r in self.running if r.next_drafts]
         if not drafting:
             return
-        confidences = [r.spec_confidences or [1.0] * len(r.spec_token_ids) for r in drafting]
+        # with a step in flight, the confidences are those of the drafts before (one step old)
+        confidences = [(r.spec_confidences or [1.0] * len(r.next_drafts))[: len(r.next_drafts)] for r in drafting]
+        confidences = [c + [c[-1] if c else 1.0] * (len(r.next_drafts) - len(c)) for c, r in zip(confidences, drafting)]
         for request, length in zip(drafting, self.verify_planner(confidences)):
-            del request.spec_token_ids[length:]
+            del request.next_drafts[length:]
 
     def _cap_drafts(self, request: Request, budget: int) -> None:
         """Verify no draft past the request's last possible token, nor more than the step's budget holds."""
-        spec = request.spec_token_ids
+        spec = request.next_drafts
         if not spec:
             return
         room = self.max_model_len - request.num_tokens_with_pending - 1
@@ -277,6 +301,9 @@ class Scheduler:
         held: list[Request] = []  # awaiting their grammar with nothing left to prefill: the others pass them
         while self.waiting and len(self.running) < self.max_num_seqs and plan.budget > 0:
             request = self.waiting[0]
+            if request.num_inflight_verifies:  # preempted while verifying: its length is known after the update
+                held.append(self.waiting.popleft())
+                continue
             _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
                                                         request.cache_salt)
             request.num_computed_tokens = num_cached
@@ -304,13 +331,13 @@ class Scheduler:
         return (max_tokens is not None and outputs >= max_tokens) or request.num_tokens_with_pending >= self.max_model_len
 
     def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
-        remaining = request.num_tokens_with_pending + len(request.spec_token_ids) - request.num_computed_tokens
+        remaining = request.num_tokens_with_pending + len(request.next_drafts) - request.num_computed_tokens
         if request.awaiting_grammar:  # prefill, but stop short of the sampling position until the grammar is ready
             remaining -= 1
         num_new = min(remaining, plan.budget)
         if num_new <= 0:
             return 0
-        if self.cost_model is not None and num_new > 1 and not request.spec_token_ids:
+        if self.cost_model is not None and num_new > 1 and not request.next_drafts:
             num_new = self.cost_model.largest_chunk(request.num_computed_tokens, remaining, cap=num_new,
                                                     other_chunks=plan.cost_chunks)
         return num_new
@@ -318,7 +345,7 @@ class Scheduler:
     def _add_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        spec = request.spec_token_ids
+        spec = request.next_drafts
         known = request.all_token_ids[start:end]
         num_placeholders = min(num_new - len(known), request.num_tokens_with_pending - start - len(known))
         tokens = tuple(known) + (PLACEHOLDER,) * num_placeholders
@@ -326,18 +353,23 @@ class Scheduler:
         del spec[num_drafts:]
         tokens += tuple(spec)
         samples = end == request.num_tokens_with_pending + len(spec)
-        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts))
+        relative = request.num_inflight_verifies > 0  # where it starts depends on drafts not yet judged
+        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts, relative))
         plan.cost_chunks.append((num_new, start))
         plan.budget -= num_new
         request.num_computed_tokens = end  # counted as computed from now on: the device will have done it
+        request.next_drafts = []
         if samples:
-            request.num_pending_tokens += 1
+            request.num_pending_tokens += 1 + num_drafts  # an upper bound: every draft kept
+        if num_drafts:
+            request.num_inflight_verifies += 1
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_confidences = [], []  # made from state the runner now drops
+        request.next_drafts = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
