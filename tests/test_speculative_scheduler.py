@@ -66,3 +66,23 @@ def test_preemption_drops_the_drafts():
     scheduler._preempt(request, type("P", (), {"preempted": []})())
     assert request.spec_token_ids == [] and request.num_computed_tokens == 0
     assert not kv.block_tables
+
+
+def test_asynchronous_plans_verify_the_running_steps_drafts_as_placeholders():
+    from deepserve.core.interfaces import DRAFT_PLACEHOLDER, PLACEHOLDER
+
+    scheduler, request, kv = make()
+    plan_n = scheduler.schedule()  # verifies 51..54 after token 50
+    request.num_drafts_in_flight = 4  # the engine: step N drafts 4 more for it
+    plan_next = scheduler.schedule()  # planned while N runs
+    (chunk,) = plan_next.chunks
+    assert chunk.relative and chunk.token_ids == (PLACEHOLDER,) + (DRAFT_PLACEHOLDER,) * 4
+    assert request.num_computed_tokens == 20 and request.num_pending_tokens == 10  # upper bounds
+    # N keeps 1 of its 4 drafts and makes the drafts N+1 is verifying
+    scheduler.update_from_output(plan_n, {"r": 70}, num_accepted={"r": 1}, drafts={"r": [71, 72, 73, 74]})
+    assert request.output_token_ids == [50, 51, 70]
+    assert request.num_computed_tokens == 17 and request.num_pending_tokens == 5  # 12 + 5 in flight
+    scheduler.update_from_output(plan_next, {"r": 80}, num_accepted={"r": 2}, drafts={"r": [81, 82, 83, 84]})
+    assert request.output_token_ids == [50, 51, 70, 71, 72, 80]
+    assert (request.num_computed_tokens, request.num_pending_tokens, request.num_inflight_verifies) == (15, 0, 0)
+    assert scheduler.schedule().chunks[0].token_ids == (80, 81, 82, 83, 84)
