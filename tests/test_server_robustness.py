@@ -65,10 +65,6 @@ async def test_error_statuses_of_every_generation_endpoint(client, path):
 
 async def test_unsupported_options_are_named(client):
     cases = [("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-             # a constraint applies from the first output token, so it cannot be combined with explicit thinking
-             ("/v1/chat/completions", {**CHAT, "thinking": {"type": "enabled"}, "response_format": {
-                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-              "response_format"),
              ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, None),
              ("/v1/responses", {**BODIES["/v1/responses"], "previous_response_id": "resp_1"}, "previous_response_id"),
