@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import deepserve
 from deepserve import LLM, AsyncEngine, SamplingParams
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
@@ -401,3 +402,21 @@ def test_pydantic_models_and_outlines_types_constrain_offline(demo_llm):
     assert re.fullmatch(REGEXES[0], outs[3].text) and outs[4].text in ("yes", "no") and outs[6].text in CHOICES
     lark.Lark(LARK).parse(outs[5].text)
     assert params[1].structured_outputs.backend == "outlines"
+
+
+def test_the_embedded_model_satisfies_every_constraint_alone_and_batched():
+    """The embedded model (a trained V4 with its own 4096-token BPE): every kind, on each installed backend."""
+    embedded = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
+    llm = make_llm(embedded)
+    backends = ["llguidance"] + [name for name, package in (("outlines", "outlines_core"), ("xgrammar", "xgrammar"))
+                                 if importlib.util.find_spec(package) is not None]
+    params = [p for backend in backends for p in (suite() if backend == "llguidance" else backend_suite(backend))]
+    prompts = [f"def f{i}(x):\n    return " for i in range(len(params))]
+    outs = generate(llm, prompts, params)
+    for p, out in zip(params, outs):
+        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
+        check(p, out.text)
+    for p, prompt, batched in list(zip(params, prompts, outs))[::5]:
+        assert generate(llm, [prompt], p)[0].token_ids == batched.token_ids
+    assert_everything_free(llm)
+    llm.engine.shutdown()
