@@ -91,16 +91,8 @@ class ModelRunner(ModelExecutor):
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if self.proposer is not None:
-            grammar = self._verify_masks(step.masks, sampling, chunks, logits.shape[-1], out) if sampling else None
-            kept = self._verify(logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
-            self._propose(forward.streams, batch, chunks, kept, out)
-            for c in chunks:
-                if c.samples:
-                    self._last[c.request_id] = (out.sampled[c.request_id], out.draft_token_ids.get(c.request_id, []))
-            self._prompt_logprobs(logits, rows, chunks, out)
-            out.seconds = time.perf_counter() - began
-            return out
-        if sampling:
+            self._speculate(step.masks, forward, batch, chunks, last_rows, sampling, undo, out)
+        elif sampling:
             grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out)
             tokens = self._sample(logits[ends[sampling]], [chunks[i] for i in sampling], grammar)
             self._prev = (tokens, {chunks[i].request_id: row for row, i in enumerate(sampling)})
@@ -151,6 +143,15 @@ class ModelRunner(ModelExecutor):
         row_of = {chunk_index: row for row, chunk_index in enumerate(sampling)}
         rows = [row_of[i] for i in masks.chunk_indices]
         return rows, mask_bias(bitmask, vocab_size, self.device)
+
+    def _speculate(self, masks, forward, batch, chunks, last_rows, sampling, undo, out: StepOutput) -> None:
+        """Verify the drafts (rolling back past rejected ones), then let the proposer draft the next ones."""
+        grammar = self._verify_masks(masks, sampling, chunks, forward.logits.shape[-1], out) if sampling else None
+        kept = self._verify(forward.logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
+        self._propose(forward.streams, batch, chunks, kept, out)
+        for c in chunks:
+            if c.samples:
+                self._last[c.request_id] = (out.sampled[c.request_id], out.draft_token_ids.get(c.request_id, []))
 
     def _resolve(self, chunk: ChunkInput) -> ChunkInput:
         """Fill a chunk's placeholders (the token and drafts this runner's previous step made for the request) and
