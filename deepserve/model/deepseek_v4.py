@@ -66,6 +66,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Body(cfg, backend)
         self.lm_head = linear(backend, cfg.hidden_size, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
+        self._head_fp32: tuple[tuple, torch.Tensor] | None = None  # (weight identity, fp32 copy), see `logits`
 
     def state_specs(self) -> tuple[list[LayerStateSpec], list[LayerStateSpec]]:
         """What every main layer and every MTP block keeps per sequence (for the KV cache to allocate)."""
@@ -82,8 +83,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32, as the official reference computes it."""
-        return self.backend.linear(hidden.float(), self.lm_head.weight.float())
+        """LM head in fp32, as the official reference computes it. A low-precision head is upcast once and kept
+        (re-made only if the weight changes): upcasting it every step cost more than the whole batch-1 decode
+        floor on the H200 (bench/gpu_notes.md)."""
+        weight = self.lm_head.weight
+        if weight.dtype != torch.float32 and not (torch.is_grad_enabled() and weight.requires_grad):
+            key = (weight.data_ptr(), weight._version, weight.device)
+            if self._head_fp32 is None or self._head_fp32[0] != key:
+                self._head_fp32 = (key, weight.detach().float())
+            weight = self._head_fp32[1]
+        return self.backend.linear(hidden.float(), weight)
 
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
         """Run the new tokens of every sequence, update their states in place, return logits for
