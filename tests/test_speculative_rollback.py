@@ -133,3 +133,30 @@ def test_drafting_leaves_the_mtp_state_of_a_plain_catch_up(model):
     assert a.mtp_num_tokens == b.mtp_num_tokens == 37
     for x, y in zip(a.mtp_layers, b.mtp_layers):
         assert torch.equal(x.window.ring, y.window.ring)
+
+
+@torch.inference_mode()
+def test_verify_steps_take_the_constant_launch_key_pool_with_the_same_logits(model):
+    """Chunks of at most `window` tokens each (decode and verify steps, equal or mixed lengths) use the whole-ring
+    key pool; a batch with a longer chunk takes the general path. A token's logits are the same either way."""
+    lens = [3, 10, 15, 16, 17, 40, 1]
+    ids = [tokens(L, L + 60) for L in lens]
+
+    def run(force_general):
+        states = [model.make_state() for _ in range(len(lens) + 1)]
+        for st, L, t in zip(states, lens, ids):
+            run_ids = t[:L]
+            model(make_batch([run_ids], [0], "cpu"), [st])
+        outs = []
+        for ns in ([1] * 7, [4] * 7, [1, 6, 3, 16, 2, 5, 6], [6, 1, 1, 1, 2, 2, 16]):
+            toks = [t[st.num_tokens : st.num_tokens + n] for st, t, n in zip(states, ids, ns)]
+            starts, rows, use = [st.num_tokens for st in states[: len(lens)]], [range(n) for n in ns], states[:-1]
+            if force_general:
+                toks.append(list(range(5, 22)))  # 17 tokens > window 16
+                starts.append(states[-1].num_tokens)
+                rows.append(range(17))
+                use = states
+            outs.append(model(make_batch(toks, starts, "cpu", logits_rows=rows), use).logits[: sum(ns)])
+        return outs
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

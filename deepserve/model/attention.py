@@ -14,7 +14,7 @@ from torch import nn
 from deepserve.core.config import SLIDING, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, paged_layout, paged_step_pools
 from .common import NormWeight, linear
 from .compressor import Compressor
 from .state import AttentionState, LayerStateSpec
@@ -60,12 +60,18 @@ class Attention(nn.Module):
         kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq)
 
         compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
-        pool, indices, windows = self._key_pool(kv, batch, states, compressed)
-        out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
-        for chunk, st, (first, rows) in zip(batch.chunks, states, windows):
-            for boundary, page in chunk.snapshots:  # window tail [boundary - W, boundary) for prefix hits there
-                st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
-            st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
+        pools = self._paged_pools(kv, batch, states)
+        if pools is not None:  # the batched zero-copy decode path
+            pool, indices, ring_rows = self._paged_key_pool(kv, batch, states, compressed, pools)
+            out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+            pool[ring_rows] = kv  # every sequence's window-ring write in one scatter
+        else:
+            pool, indices, windows = self._key_pool(kv, batch, states, compressed)
+            out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+            for chunk, st, (first, rows) in zip(batch.chunks, states, windows):
+                for boundary, page in chunk.snapshots:  # window tail [boundary - W, boundary) for prefix hits
+                    st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
+                st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
 
         out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True)
         return self.o_b_proj(self._grouped_o_a(out))
@@ -79,8 +85,7 @@ class Attention(nn.Module):
     def _key_pool(self, kv, batch: ForwardBatch, states, compressed):
         """Concatenate each sequence's window rows and compressed rows; index them per query. Also returns, per
         sequence, (first position, rows) of the window rows gathered."""
-        n = batch.chunks[0].length if batch.chunks else 0
-        if n <= self.window and all(c.length == n and not c.snapshots for c in batch.chunks):
+        if all(c.length <= self.window and not c.snapshots for c in batch.chunks):
             return self._decode_key_pool(kv, batch, states, compressed)
         W, device = self.window, kv.device
         pieces, index_parts, windows, base = [], [], [], 0
@@ -106,12 +111,16 @@ class Attention(nn.Module):
         return torch.cat(pieces), indices, windows
 
     def _decode_key_pool(self, kv, batch: ForwardBatch, states, compressed):
-        """`_key_pool` for a step of n <= window new tokens per sequence (decode: n = 1; speculative verify: 1 + k),
+        """`_key_pool` for a step of at most `window` new tokens per sequence (decode: 1; speculative verify: 1 + k),
         in a constant number of launches: each whole ring goes into the pool as it is and the indices name its
         slots (the same keys in the same order as the general path, so the same results), the new rows go last.
         Per-sequence gathers were most of a decode step's launches."""
-        W, device, T = self.window, kv.device, kv.shape[0]
-        n = batch.chunks[0].length
+        W, device = self.window, kv.device
+        lengths = torch.tensor([c.length for c in batch.chunks], device=device)
+
+        def per_query(values):  # one value per chunk -> one per query, [T, 1]
+            return torch.tensor(values, device=device).repeat_interleave(lengths, output_size=kv.shape[0])[:, None]
+
         pieces, ring_base, comp_base, base = [], [], [], 0
         for st in states:
             pieces.append(st.window.ring)
@@ -124,13 +133,40 @@ class Attention(nn.Module):
                 base += rows.num_rows
         pieces.append(kv)
         key_pos = batch.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [T, W]
-        row = torch.arange(T, device=device)[:, None]
-        chunk_start = batch.positions[:, None] - row % n  # the first new position of each query's chunk
-        ring_start = torch.tensor(ring_base, device=device).repeat_interleave(n)[:, None]
-        new = base + row - (batch.positions[:, None] - key_pos)  # the new rows of the query's own chunk
-        window = torch.where(key_pos < chunk_start, ring_start + key_pos % W, new)
+        chunk_start = per_query([c.start for c in batch.chunks])
+        new = base + per_query([c.offset for c in batch.chunks]) + key_pos - chunk_start  # this batch's rows
+        window = torch.where(key_pos < chunk_start, per_query(ring_base) + key_pos % W, new)
         parts = [torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))]
         if compressed is not None:
-            comp_start = torch.tensor(comp_base, device=device).repeat_interleave(n)[:, None]
-            parts.append(torch.where(compressed >= 0, comp_start + compressed, compressed))
+            parts.append(torch.where(compressed >= 0, per_query(comp_base) + compressed, compressed))
         return torch.cat(pieces), torch.cat(parts, dim=1), [(c.start, None) for c in batch.chunks]
+
+    def _paged_pools(self, kv, batch: ForwardBatch, states):
+        """The layer pools of the paged cache when this step can index them directly (the batched decode path):
+        every state of the batch from the same cache, every chunk at most `window` tokens and without
+        snapshots (decode, speculative verify), the new rows fitting the scratch region. Else None."""
+        pools = paged_step_pools(batch, states, self.window)
+        if pools is None or batch.num_tokens > pools.scratch_rows or kv.dtype != pools.storage.dtype:
+            return None
+        return pools
+
+    def _paged_key_pool(self, kv, batch: ForwardBatch, states, compressed, pools):
+        """`_key_pool` over the paged storage itself, with no copy of rings or rows and a fixed number of
+        device ops: a query's window keys are ring rows `slot * W + position % W` (positions before its chunk)
+        or its chunk's new rows (copied to the scratch region), its compressed row r is `comp_base +
+        table[r // rpp] * rpp + r % rpp`. The same keys in the same order as `_key_pool`, so the same results.
+        Also returns the storage rows of the new tokens' ring slots, for the window write after attention."""
+        W, device, T = self.window, kv.device, kv.shape[0]
+        layout = paged_layout(batch, states)
+        storage = pools.storage
+        storage[pools.scratch_base : pools.scratch_base + T] = kv
+        key_pos = batch.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [T, W]
+        new = pools.scratch_base + layout.chunk_offset + key_pos - layout.chunk_start
+        window = torch.where(key_pos < layout.chunk_start, layout.slot * W + key_pos % W, new)
+        parts = [torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))]
+        if compressed is not None:
+            rpp, row = pools.rows_per_page, compressed.clamp(min=0)
+            page = torch.gather(layout.query_tables, 1, row // rpp)
+            parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
+        ring_rows = layout.slot[:, 0] * W + batch.positions % W
+        return storage, torch.cat(parts, dim=1), ring_rows
