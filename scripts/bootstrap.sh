@@ -9,3 +9,6 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build. Skip if a torch is already there.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# xgrammar's optional backend: its wheel declares triton and a CUDA torch as requirements, which it does not need
+# for grammar masks on the CPU; install it without them so the xgrammar tests run here too.
+python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
