@@ -64,7 +64,8 @@ class Attention(nn.Module):
         if pools is not None:  # the batched zero-copy decode path
             pool, indices, ring_rows = self._paged_key_pool(kv, batch, states, compressed, pools)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
-            pool[ring_rows] = kv  # every sequence's window-ring write in one scatter
+            self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
+            pool.index_put_((ring_rows,), kv)  # every sequence's window-ring write in one scatter
         else:
             pool, indices, windows = self._key_pool(kv, batch, states, compressed)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
@@ -143,8 +144,8 @@ class Attention(nn.Module):
 
     def _paged_pools(self, kv, batch: ForwardBatch, states):
         """The layer pools of the paged cache when this step can index them directly (the batched decode path):
-        every state of the batch from the same cache, every chunk at most `window` tokens and without
-        snapshots (decode, speculative verify), the new rows fitting the scratch region. Else None."""
+        every state of the batch from the same cache, every chunk at most `window` tokens (decode, speculative
+        verify), the new rows fitting the scratch region. Else None."""
         pools = paged_step_pools(batch, states, self.window)
         if pools is None or batch.num_tokens > pools.scratch_rows or kv.dtype != pools.storage.dtype:
             return None
@@ -170,3 +171,13 @@ class Attention(nn.Module):
             parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
         ring_rows = layout.slot[:, 0] * W + batch.positions % W
         return storage, torch.cat(parts, dim=1), ring_rows
+
+    def _snapshot_windows(self, batch: ForwardBatch, states, pools) -> None:
+        """Window tails [boundary - W, boundary) at the page boundaries the chunks cross, from the storage (ring
+        rows before the chunk, the chunk's new rows in the scratch region): one gather per snapshot."""
+        W, storage = self.window, pools.storage
+        for chunk, st in zip(batch.chunks, states):
+            for boundary, page in chunk.snapshots:
+                rows = [st.slot * W + p % W if p < chunk.start else pools.scratch_base + chunk.offset + p - chunk.start
+                        for p in range(boundary - W, boundary)]
+                st.snap_window[page] = storage[torch.tensor(rows, device=storage.device)]

@@ -15,7 +15,7 @@ from torch import nn
 from deepserve.core.config import CSA, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .batch import ForwardBatch, SeqChunk
+from .batch import ForwardBatch, SeqChunk, paged_layout, paged_step_pools
 from .common import NormWeight, linear
 from .state import CompressorState, StreamSpec
 
@@ -82,6 +82,66 @@ class _Pooler(nn.Module):
         positions = (first + torch.arange(closed, device=rows.device)) * m
         state.rows.append(self.backend.apply_rope(rows, positions, self.inv_freq))
 
+    def emit_all(self, kv, gate, batch: ForwardBatch, states: list[CompressorState], pools=None,
+                 slots: list[int] | None = None) -> None:
+        """`emit` for every chunk of the batch. With `pools` (this stream's `kv_cache._StreamPools`, when the
+        step takes the paged decode path), the single-token chunks (page-boundary snapshots included) of
+        sequences not journaling a speculative pass are done together (`slots`: each sequence's frontier row in
+        the pools) in a fixed number of device ops: frontier writes in one scatter, the blocks they close
+        pooled, normed, rotated and written to their pages at once. Per sequence only integer bookkeeping;
+        the same arithmetic row by row as `emit`, so the same bits. Other chunks go through `emit`."""
+        single: list[int] = []
+        for i, (chunk, state) in enumerate(zip(batch.chunks, states)):
+            if pools is not None and chunk.length == 1 and state.journal is None:
+                single.append(i)
+            else:
+                self.emit(kv[chunk.offset : chunk.offset + chunk.length],
+                          gate[chunk.offset : chunk.offset + chunk.length], chunk, state)
+        if single:
+            self._emit_single_tokens(kv, gate, batch, states, pools, slots, single)
+
+    def _emit_single_tokens(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
+        m, d, device = self.ratio, self.dim, kv.device
+        opening, closing = [], []  # (batch row, slot, held) / (batch row, slot, first row, page, row in page)
+        snapshots = []  # (index in `closing`, page): the Ca half of a block closing at a page boundary
+        for i in which:
+            chunk, state, slot = batch.chunks[i], states[i], slots[i]
+            held = chunk.start % m
+            if held + 1 < m:
+                opening.append((chunk.offset, slot, held))
+                continue
+            rows, first = state.rows, state.rows.num_rows
+            if first >= len(rows.table) * rows.per_page:
+                raise RuntimeError(f"block table holds {len(rows.table)} pages, too few for {first + 1} rows")
+            snapshots += [(len(closing), page) for _, page in chunk.snapshots]
+            closing.append((chunk.offset, slot, first, rows.table[first // rows.per_page], first % rows.per_page))
+            rows.num_rows = first + 1
+        if opening:
+            row, slot, held = torch.tensor(opening, dtype=torch.long, device=device).unbind(1)
+            pools.open_kv.index_put_((slot, held), kv[row])
+            pools.open_gate.index_put_((slot, held), gate[row])
+        if not closing:
+            return
+        row, slot, first, page, in_page = torch.tensor(closing, dtype=torch.long, device=device).unbind(1)
+        block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[row][:, None]), dim=1)  # [B, m, width]
+        block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[row][:, None]), dim=1)
+        if self.overlap and snapshots:  # (rare) prefix-hit state at a page boundary, as `emit` saves it
+            k, snap_page = torch.tensor(snapshots, dtype=torch.long, device=device).unbind(1)
+            pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
+            pools.snap_gate.index_put_((snap_page,), block_gate[k, :, :d])
+        if self.overlap:  # pool block w-1's Ca half with block w's Cb half; block 0 has no predecessor
+            has_prev = (first > 0)[:, None, None]
+            prev_kv = torch.where(has_prev, pools.prev_kv[slot], 0.0)
+            prev_gate = torch.where(has_prev, pools.prev_gate[slot], float("-inf"))
+            pools.prev_kv.index_put_((slot,), block_kv[..., :d])
+            pools.prev_gate.index_put_((slot,), block_gate[..., :d])
+            block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
+            block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
+        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
+        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
+        rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
+        pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
+
 
 class Indexer(_Pooler):
     """Lightning indexer: its own CSA-style key compressor plus query projection and per-head weights."""
@@ -95,23 +155,39 @@ class Indexer(_Pooler):
         self.scorer.weights_proj = linear(backend, cfg.hidden_size, cfg.index_n_heads)
         self.weight_scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
 
-    def select(self, x, qr, batch: ForwardBatch, states: list[CompressorState]) -> torch.Tensor:
-        """Top-k compressed rows per query, as row numbers within the query's own sequence (-1 = none)."""
+    def select(self, x, qr, batch: ForwardBatch, states: list[CompressorState], layout=None) -> torch.Tensor:
+        """Top-k compressed rows per query, as row numbers within the query's own sequence (-1 = none).
+        With the step's `PagedLayout` (paged decode path) every sequence's keys come out of the page pool in one
+        gather; else each sequence's rows are viewed and concatenated."""
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
         q = self.backend.apply_rope(q, batch.positions, self.inv_freq)
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
-        keys, starts = [], []
-        base = 0
-        for chunk, state in zip(batch.chunks, states):
-            keys.append(state.rows.view())
-            starts.append(base)
-            base += state.rows.num_rows
+        counts = [state.rows.num_rows for state in states]
+        starts = [0]
+        for n in counts[:-1]:
+            starts.append(starts[-1] + n)
+        if layout is not None:
+            keys = self._gather_keys(states[0].rows.pool, layout, counts, starts, x.device)
+        else:
+            keys = torch.cat([state.rows.view() for state in states])
         lengths = torch.tensor([c.length for c in batch.chunks], device=x.device)
         key_start = torch.tensor(starts, dtype=torch.long, device=x.device)
         key_start = key_start.repeat_interleave(lengths, output_size=x.shape[0])
         key_count = (batch.positions + 1) // self.ratio
-        chosen = self.backend.indexer_topk(q, weights, torch.cat(keys), key_start, key_count, self.topk)
+        chosen = self.backend.indexer_topk(q, weights, keys, key_start, key_count, self.topk)
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)
+
+
+    @staticmethod
+    def _gather_keys(pool, layout, counts: list[int], starts: list[int], device) -> torch.Tensor:
+        """Rows [0, counts[i]) of every sequence i, concatenated, gathered from the page pool [pages, rpp, dim]
+        through the padded block tables: row r of sequence i is pool page tables[i, r // rpp], slot r % rpp."""
+        rpp, total = pool.shape[1], sum(counts)
+        per_seq = torch.tensor([counts, starts], dtype=torch.long, device=device)
+        seq = torch.arange(len(counts), device=device).repeat_interleave(per_seq[0], output_size=total)
+        row = torch.arange(total, device=device) - per_seq[1][seq]
+        page = layout.tables[seq, row // rpp]
+        return pool.view(-1, pool.shape[-1])[page * rpp + row % rpp]
 
 
 class Compressor(_Pooler):
@@ -121,23 +197,25 @@ class Compressor(_Pooler):
         overlap = layer_type == CSA
         super().__init__(cfg, backend, cfg.compress_rate(layer_type), cfg.head_dim, overlap, inv_freq)
         self.indexer = Indexer(cfg, backend, inv_freq) if overlap else None
+        self.window = cfg.sliding_window
 
     def forward(self, x, qr, batch: ForwardBatch, states) -> torch.Tensor:
         """Emit this batch's rows into each sequence's state; return, per query, the compressed rows it
         attends to, numbered within its sequence, -1 padded: [T, K]."""
+        layer_pools = paged_step_pools(batch, states, self.window)  # the batched decode path, or None
+        slots = [st.slot for st in states] if layer_pools is not None else None
         kv, gate = self.project(x, batch.positions)
-        for chunk, st in zip(batch.chunks, states):
-            rows = slice(chunk.offset, chunk.offset + chunk.length)
-            self.emit(kv[rows], gate[rows], chunk, st.compressor)
+        self.emit_all(kv, gate, batch, [st.compressor for st in states],
+                      layer_pools.compressor if layer_pools is not None else None, slots)
         if self.indexer is not None:
             ikv, igate = self.indexer.project(x, batch.positions)
-            for chunk, st in zip(batch.chunks, states):
-                rows = slice(chunk.offset, chunk.offset + chunk.length)
-                self.indexer.emit(ikv[rows], igate[rows], chunk, st.indexer)
-            return self.indexer.select(x, qr, batch, [st.indexer for st in states])
-        # HCA: every emitted row that the query may see
+            self.indexer.emit_all(ikv, igate, batch, [st.indexer for st in states],
+                                  layer_pools.indexer if layer_pools is not None else None, slots)
+            layout = paged_layout(batch, states) if layer_pools is not None else None
+            return self.indexer.select(x, qr, batch, [st.indexer for st in states], layout)
+        # HCA: every emitted row that the query may see (the widest from the host's chunk ends: no device sync)
         visible = (batch.positions + 1) // self.ratio
-        width = int(visible.max().item()) if visible.numel() else 0
+        width = max((c.end // self.ratio for c in batch.chunks), default=0)
         offs = torch.arange(width, device=x.device)
         return torch.where(offs[None, :] < visible[:, None], offs[None, :], torch.full_like(offs, -1)[None, :])
 

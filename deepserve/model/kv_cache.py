@@ -63,9 +63,11 @@ class PagedRows:
 class _StreamPools:
     """Pages, frontier slots and page snapshots of one compressed stream of one layer."""
 
-    def __init__(self, spec: StreamSpec, num_pages: int, page_size: int, num_slots: int, dtype, device) -> None:
+    def __init__(self, spec: StreamSpec, num_pages: int, page_size: int, num_slots: int, dtype, device,
+                 rows: torch.Tensor | None = None) -> None:
         self.spec = spec
-        self.rows = torch.zeros((num_pages, page_size // spec.ratio, spec.dim), dtype=dtype, device=device)
+        self.rows = rows if rows is not None else \
+            torch.zeros((num_pages, page_size // spec.ratio, spec.dim), dtype=dtype, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         self.open_kv = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
         self.open_gate = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
@@ -86,12 +88,31 @@ class _StreamPools:
 
 
 class _LayerPools:
-    def __init__(self, spec: LayerStateSpec, num_pages, page_size, num_slots, dtype, device) -> None:
+    """One layer's pools. The window rings, the main compressor's row pages and a scratch region for a step's new
+    kv rows are views of ONE tensor, `storage` [num_slots * window + num_pages * rows_per_page + scratch, width]:
+    ring row (slot, position) is storage row slot * window + position % window, compressed row r of a sequence
+    with block table t is `comp_base + t[r // rpp] * rpp + r % rpp`, and the step's new rows start at
+    `scratch_base`. Attention then indexes keys by these global row numbers with no copy of the pools (the
+    decode fast path, `Attention._paged_key_pool`)."""
+
+    def __init__(self, spec: LayerStateSpec, num_pages, page_size, num_slots, dtype, device,
+                 scratch_rows: int = 0) -> None:
         self.spec = spec
-        self.window = torch.zeros((num_slots, spec.window, spec.width), dtype=dtype, device=device)
-        self.snap_window = torch.zeros((num_pages, spec.window, spec.width), dtype=dtype, device=device)
-        self.compressor = _StreamPools(spec.compressor, num_pages, page_size, num_slots, dtype, device) \
-            if spec.compressor else None
+        W, width, comp = spec.window, spec.width, spec.compressor
+        rpp = page_size // comp.ratio if comp is not None else 0
+        if comp is not None and comp.dim != width:
+            raise ValueError(f"compressed rows ({comp.dim}) and window rows ({width}) must be equally wide")
+        self.rows_per_page = rpp
+        self.comp_base = num_slots * W
+        self.scratch_base = self.comp_base + num_pages * rpp
+        self.scratch_rows = scratch_rows
+        self.storage = torch.zeros((self.scratch_base + scratch_rows, width), dtype=dtype, device=device)
+        self.window = self.storage[: self.comp_base].view(num_slots, W, width)
+        self.snap_window = torch.zeros((num_pages, W, width), dtype=dtype, device=device)
+        self.compressor = _StreamPools(
+            comp, num_pages, page_size, num_slots, dtype, device,
+            rows=self.storage[self.comp_base : self.scratch_base].view(num_pages, rpp, width),
+        ) if comp else None
         self.indexer = _StreamPools(spec.indexer, num_pages, page_size, num_slots, dtype, device) \
             if spec.indexer else None
 
@@ -102,7 +123,7 @@ class _LayerPools:
             return None if pools is None else pools.state(slot, table, num_tokens // pools.spec.ratio)
 
         return AttentionState(WindowRing(self.window[slot]), stream(self.compressor), stream(self.indexer),
-                              self.snap_window)
+                              self.snap_window, slot=slot, pools=self)
 
     def restore(self, st: AttentionState, page: int, boundary: int) -> None:
         """Load the window tail and overlap state saved at `boundary` (the end of `page`)."""
@@ -130,7 +151,11 @@ class PagedKVCache:
     """Pools for `num_pages` pages of `page_size` tokens and `num_slots` concurrent sequences."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype | None = None, device=None, with_mtp: bool = False) -> None:
+                 dtype: torch.dtype | None = None, device=None, with_mtp: bool = False,
+                 max_step_tokens: int | None = None) -> None:
+        """`max_step_tokens`: the most new tokens a step may bring for the decode fast path (each layer keeps a
+        scratch region of that many rows for them); default 16 per slot (a decode token plus 15 drafts). Larger
+        steps take the general path."""
         main, mtp = model.state_specs()
         for spec in main:
             if spec.window > page_size:
@@ -141,8 +166,9 @@ class PagedKVCache:
         dtype = dtype or model.lm_head.weight.dtype
         device = device or model.lm_head.weight.device
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
-        self.layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device) for s in main]
-        self.mtp_layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device)
+        scratch = 16 * num_slots if max_step_tokens is None else max_step_tokens
+        self.layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device, scratch) for s in main]
+        self.mtp_layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device, scratch)
                            for s in (mtp if with_mtp else [])]
         self._free_slots = list(range(num_slots - 1, -1, -1))
         logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,

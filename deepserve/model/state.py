@@ -15,6 +15,7 @@ Row stores grow by doubling here; the paged KV manager of the engine replaces th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -188,12 +189,18 @@ class LayerStateSpec:
 @dataclass(slots=True)
 class AttentionState:
     """Everything one attention layer keeps for one sequence. `snap_window` ([pages, window, width],
-    optional) receives the window rows at page boundaries the batch asks to snapshot."""
+    optional) receives the window rows at page boundaries the batch asks to snapshot.
+
+    States from the paged cache also carry their `slot` and the layer's `pools` (`kv_cache._LayerPools`: one
+    storage tensor holding every slot's ring and every page's compressed rows), which the batched decode path
+    indexes directly; contiguous states leave both None and take the general path."""
 
     window: WindowRing
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
     snap_window: torch.Tensor | None = None
+    slot: int | None = None
+    pools: Any = None
 
 
 def new_frontier(spec: StreamSpec, rows, device) -> CompressorState:
