@@ -19,6 +19,7 @@ from deepserve.model.batch import make_batch
 from deepserve.model.compressor import _Pooler
 from deepserve.model.factory import load_model
 from deepserve.model.kv_cache import PagedKVCache
+from deepserve.model.speculative import SequenceUndo
 
 PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
 
@@ -56,11 +57,12 @@ class Twin:
             table.append(self.next_page)
             self.next_page += 1
 
-    def step(self, which, token_lists, general_path, logits_rows=None):
-        """Run one forward of sequences `which` (in that order) in both caches; return both logits."""
+    def step(self, which, token_lists, general_path, logits_rows=None, keep=None):
+        """Run one forward of sequences `which` (in that order) in both caches; return both logits. With `keep`
+        (one kept length per chunk), the pass is a speculative verify: journaled, then rolled back to it."""
         out = []
         for k, force_general in ((0, False), (1, True)):
-            starts, snaps, states = [], [], []
+            starts, snaps, states, undos = [], [], [], []
             for i, ids in zip(which, token_lists):
                 table, st = self.seqs[i]
                 start = st[k].num_tokens
@@ -70,9 +72,13 @@ class Twin:
                 snaps.append([(b, table[b // PAGE - 1]) for b in range((start // PAGE + 1) * PAGE,
                                                                        start + len(ids) + 1, PAGE)])
                 states.append(st[k])
+                if keep is not None:
+                    undos.append(SequenceUndo(st[k], start, len(ids)))
             batch = make_batch(token_lists, starts, "cpu", logits_rows=logits_rows, snapshots=snaps)
             general_path(force_general)
             out.append(self.model(batch, states).logits)
+            for undo, start, n, kept in zip(undos, starts, map(len, token_lists), keep or ()):
+                undo.rollback(start + kept) if kept < n else undo.commit()
         general_path(False)
         return out
 
@@ -102,7 +108,7 @@ def ids(rng, n):
 @torch.inference_mode()
 def test_fast_path_equals_general_path_on_random_paged_batches(model, general_path, monkeypatch, seed):
     taken = Counter()
-    for owner, name in ((Attention, "_paged_key_pool"), (_Pooler, "_emit_single_tokens")):
+    for owner, name in ((Attention, "_paged_key_pool"), (_Pooler, "_emit_single_tokens"), (_Pooler, "_emit_chunks")):
         def spy(*a, _fn=getattr(owner, name), _name=name, **k):
             taken[_name] += 1
             return _fn(*a, **k)
@@ -119,24 +125,27 @@ def test_fast_path_equals_general_path_on_random_paged_batches(model, general_pa
     first = []
     twin.add(first)
     twin.step([0], [shared + ids(rng, 7)], general_path)  # prefill (general path in both)
-    for _ in range(7):
+    for _ in range(11):
         if rng.random() < 0.5:  # a sequence that starts from the first one's shared first page
             table = [first[0]]
             twin.add(table, cached=PAGE)
             twin.step([len(twin.seqs) - 1], [ids(rng, rng.randint(1, 40))], general_path)
         else:
             twin.add([])
-            twin.step([len(twin.seqs) - 1], [ids(rng, rng.randint(1, 90))], general_path)
+            twin.step([len(twin.seqs) - 1], [ids(rng, rng.choice((rng.randint(1, 6), rng.randint(1, 90))))],
+                      general_path)
     twin.assert_same_state()
     for step in range(40):
         which = rng.sample(range(len(twin.seqs)), rng.randint(1, len(twin.seqs)))  # random order of slots
         verify = step % 5 == 4
-        tokens = [ids(rng, rng.randint(1, 6) if verify else 1) for _ in which]
+        tokens = [ids(rng, rng.randint(1, 6) if verify or step % 5 == 2 else 1) for _ in which]
         rows = [range(len(t)) for t in tokens]
-        fast, slow = twin.step(which, tokens, general_path, logits_rows=rows)
+        keep = [rng.randint(1, len(t)) for t in tokens] if verify else None  # speculative: journal, roll back
+        fast, slow = twin.step(which, tokens, general_path, logits_rows=rows, keep=keep)
         assert torch.equal(fast, slow), f"step {step}"
         twin.assert_same_state()
     assert taken["_paged_key_pool"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
+    assert taken["_emit_chunks"] > 10  # verify-length chunks too
     assert taken["snapshots"] > 0  # and crossed page boundaries
 
 
@@ -154,7 +163,7 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_attention_ops(model, twin, which, general_path, force_general, monkeypatch):
+def count_attention_ops(model, twin, which, general_path, force_general, monkeypatch, length=1):
     counter = OpCounter()
     backend = model.backend
 
@@ -176,7 +185,7 @@ def count_attention_ops(model, twin, which, general_path, force_general, monkeyp
             hooks.append(m.register_forward_hook(lambda *_: setattr(counter, "active", False)))
     k = 1 if force_general else 0
     starts = [twin.seqs[i][1][k].num_tokens for i in which]
-    batch = make_batch([[5] for _ in which], starts, "cpu")
+    batch = make_batch([[5] * length for _ in which], starts, "cpu")
     general_path(force_general)
     with counter:
         model(batch, [twin.seqs[i][1][k] for i in which])
@@ -187,9 +196,10 @@ def count_attention_ops(model, twin, which, general_path, force_general, monkeyp
     return sum(counter.ops.values())
 
 
+@pytest.mark.parametrize("length", [1, 3])
 @torch.inference_mode()
-def test_fast_path_ops_per_step_do_not_grow_with_the_batch(model, general_path, monkeypatch):
-    """A decode step at positions 47 (closes a CSA and an HCA block), 45 (closes none), 43 (closes a CSA block)
+def test_fast_path_ops_per_step_do_not_grow_with_the_batch(model, general_path, monkeypatch, length):
+    """A decode step (or a verify step of 3 tokens) from positions 47 (closes a CSA and an HCA block), 45, 43
     and 46, repeated: every kind of frontier update happens at every batch size."""
     rng = random.Random(7)
     counts = {}
@@ -200,7 +210,7 @@ def test_fast_path_ops_per_step_do_not_grow_with_the_batch(model, general_path, 
             twin.step([len(twin.seqs) - 1], [ids(rng, n)], general_path)
         for force_general in (False, True):
             counts[force_general, size] = count_attention_ops(model, twin, list(range(size)), general_path,
-                                                              force_general, monkeypatch)
+                                                              force_general, monkeypatch, length)
     assert counts[False, 4] == counts[False, 16], counts  # the fast path: the same ops at any batch size
     assert counts[True, 16] > counts[True, 4], counts  # the general path grows with the batch (the counter works)
     assert counts[False, 16] < counts[True, 16]

@@ -91,14 +91,19 @@ class _Pooler(nn.Module):
         pooled, normed, rotated and written to their pages at once. Per sequence only integer bookkeeping;
         the same arithmetic row by row as `emit`, so the same bits. Other chunks go through `emit`."""
         single: list[int] = []
+        several: list[int] = []
         for i, (chunk, state) in enumerate(zip(batch.chunks, states)):
-            if pools is not None and chunk.length == 1 and state.journal is None:
-                single.append(i)
-            else:
+            if pools is None:
                 self.emit(kv[chunk.offset : chunk.offset + chunk.length],
                           gate[chunk.offset : chunk.offset + chunk.length], chunk, state)
+            elif chunk.length == 1 and state.journal is None:
+                single.append(i)
+            else:
+                several.append(i)
         if single:
             self._emit_single_tokens(kv, gate, batch, states, pools, slots, single)
+        if several:
+            self._emit_chunks(kv, gate, batch, states, pools, slots, several)
 
     def _emit_single_tokens(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
         m, d, device = self.ratio, self.dim, kv.device
@@ -140,6 +145,80 @@ class _Pooler(nn.Module):
         pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
         rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
+        pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
+
+    def _emit_chunks(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
+        """`emit` for chunks of any length up to a window (speculative verify, with or without a journal), all
+        together: each chunk's frontier (open block from the pool, then its new rows) is gathered into one padded
+        tensor, whose rows become the journals' records (views), the new open blocks (one scatter) and the closed
+        blocks (pooled with their predecessors' Ca halves, normed, rotated, scattered into the pages)."""
+        m, d, device = self.ratio, self.dim, kv.device
+        num_pool_rows = pools.open_kv.shape[0] * m
+        frontier, opens, blocks, snaps, lasts = [], [], [], [], []  # host index lists, see below
+        lengths = []
+        for b, i in enumerate(which):
+            chunk, state, slot = batch.chunks[i], states[i], slots[i]
+            held = chunk.start % m
+            n = held + chunk.length
+            lengths.append(n)
+            # source rows of the frontier: pool rows slot*m + j of the open block, then batch rows (after the pool)
+            frontier.append([slot * m + j for j in range(held)] +
+                            [num_pool_rows + chunk.offset + j for j in range(chunk.length)])
+            closed, rows = n // m, state.rows
+            first = rows.num_rows
+            opens += [(b, closed * m + r, slot, r) for r in range(n - closed * m)]
+            if first + closed > len(rows.table) * rows.per_page:
+                raise RuntimeError(f"block table holds {len(rows.table)} pages, too few for {first + closed} rows")
+            for boundary, page in chunk.snapshots:
+                snaps.append((len(blocks) + boundary // m - 1 - first, page))
+            if closed:  # the chunk's last closed block leaves its Ca half as the overlap state
+                lasts.append((len(blocks) + closed - 1, slot))
+            for c in range(closed):
+                r = first + c
+                blocks.append((b, c, slot, int(first > 0), r, rows.table[r // rows.per_page], r % rows.per_page))
+            rows.num_rows = first + closed
+        width = max(lengths)
+        src = torch.tensor([f + [0] * (width - len(f)) for f in frontier], dtype=torch.long, device=device)
+        from_pool = (src < num_pool_rows)[..., None]
+        f_kv = torch.where(from_pool, pools.open_kv.view(-1, kv.shape[1])[src.clamp(max=num_pool_rows - 1)],
+                           kv[(src - num_pool_rows).clamp(min=0)])  # [B, width, frontier width]
+        f_gate = torch.where(from_pool, pools.open_gate.view(-1, gate.shape[1])[src.clamp(max=num_pool_rows - 1)],
+                             gate[(src - num_pool_rows).clamp(min=0)])
+        for b, i in enumerate(which):  # speculative passes keep their frontier for a rollback (views, no copy)
+            if states[i].journal is not None:
+                chunk = batch.chunks[i]
+                states[i].record(chunk.start - chunk.start % m, f_kv[b, : lengths[b]], f_gate[b, : lengths[b]])
+        if blocks:
+            blk, c, slot, has_prev, first_row, page, in_page = \
+                torch.tensor(blocks, dtype=torch.long, device=device).unbind(1)
+            cols = c[:, None] * m + torch.arange(m, device=device)[None, :]  # [NB, m]
+            block_kv, block_gate = f_kv[blk[:, None], cols], f_gate[blk[:, None], cols]
+        if opens:
+            b, col, slot_o, r = torch.tensor(opens, dtype=torch.long, device=device).unbind(1)
+            pools.open_kv.index_put_((slot_o, r), f_kv[b, col])
+            pools.open_gate.index_put_((slot_o, r), f_gate[b, col])
+        if not blocks:
+            return
+        if self.overlap and snaps:  # (rare) prefix-hit state at a page boundary, as `emit` saves it
+            k, snap_page = torch.tensor(snaps, dtype=torch.long, device=device).unbind(1)
+            pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
+            pools.snap_gate.index_put_((snap_page,), block_gate[k, :, :d])
+        if self.overlap:  # block c pools block c-1's Ca half (the pool's for c = 0, none for a sequence's block 0)
+            earlier = (cols - m).clamp(min=0)
+            in_chunk = (c > 0)[:, None, None]
+            pool_prev = (has_prev > 0)[:, None, None]
+            prev_kv = torch.where(in_chunk, f_kv[blk[:, None], earlier][..., :d],
+                                  torch.where(pool_prev, pools.prev_kv[slot], 0.0))
+            prev_gate = torch.where(in_chunk, f_gate[blk[:, None], earlier][..., :d],
+                                    torch.where(pool_prev, pools.prev_gate[slot], float("-inf")))
+            k, last_slot = torch.tensor(lasts, dtype=torch.long, device=device).unbind(1)
+            pools.prev_kv.index_put_((last_slot,), block_kv[k, :, :d])
+            pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
+            block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
+            block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
+        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
+        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
+        rows = self.backend.apply_rope(rows, first_row * m, self.inv_freq)
         pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
 
 
