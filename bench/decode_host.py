@@ -1,10 +1,10 @@
 """Host cost of a decode step on the CPU: the batched zero-copy paged path against the forced general path.
 
-    OMP_NUM_THREADS=1 python bench/decode_host.py [--batches 1 16 64] [--steps 8] [--out FILE.json]
+    OMP_NUM_THREADS=1 python bench/decode_host.py [--batches 1 16 64] [--steps 8] [--chunk 1] [--out FILE.json]
 
 The demo model (random tiny V4: window 16, CSA ratio 4 with an indexer, HCA ratio 16, layers SW SW CSA HCA CSA
 HCA) over a paged cache; every sequence prefilled to a random context of 100-400 tokens (so blocks close on
-different steps, as in serving), then decode steps of one token per sequence. Two identical caches: one decodes
+different steps, as in serving), then decode steps of one token per sequence (`--chunk N`: N tokens each, the shape of a speculative verify step). Two identical caches: one decodes
 with `batch.PAGED_DECODE` on, the other with it off; their logits are checked equal every step.
 
 Per decode step it reports
@@ -109,27 +109,27 @@ def setup(model, batch_size, seed):
     return states, rng
 
 
-def decode(model, states, token_ids, fast):
+def decode(model, states, token_lists, fast):
     batch_mod.PAGED_DECODE = fast
     try:
-        batch = make_batch([[t] for t in token_ids], [s.num_tokens for s in states], "cpu")
+        batch = make_batch(token_lists, [s.num_tokens for s in states], "cpu")
         return model(batch, states).logits
     finally:
         batch_mod.PAGED_DECODE = True
 
 
 @torch.inference_mode()
-def run(batches, steps, seed=0):
+def run(batches, steps, chunk=1, seed=0):
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict({**DEMO_CONFIG, "vocab_size": 512})
     model = randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), seed)
     rows = []
     for bs in batches:
         (fast_states, slow_states), rng = setup(model, bs, seed + bs)
-        result = {"batch": bs}
+        result = {"batch": bs, "chunk": chunk}
         times = {True: [], False: []}
         for step in range(steps + 1):
-            tokens = [rng.randrange(2, 258) for _ in range(bs)]
+            tokens = [[rng.randrange(2, 258) for _ in range(chunk)] for _ in range(bs)]
             logits = {}
             for fast, sts in ((True, fast_states), (False, slow_states)):
                 if step == 0:  # the counted step (the dispatch mode slows it, so it is not timed)
@@ -170,11 +170,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("note: run with OMP_NUM_THREADS=1 for comparable numbers", file=sys.stderr)
-    rows = run(args.batches, args.steps)
+    rows = run(args.batches, args.steps, args.chunk)
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
