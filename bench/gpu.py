@@ -249,11 +249,24 @@ def bench_hf(path: Path, device, dtype, prefill_lens, decode_batches, context, s
 
 
 # -- 4. deepserve ---------------------------------------------------------------------------------------------------
+PAGE_SIZE = 256
+
+
 @torch.no_grad()
-def prefill_states(model, device, prompts, group: int):
+def prefill_states(model, device, prompts, group: int, extra_tokens: int = 64, paged: bool = True):
+    """Prefill `prompts` and return their states: over a `PagedKVCache` as the engine's runner keeps them (the
+    batched zero-copy decode path), or self-contained contiguous states with `paged=False`."""
     from deepserve.model.batch import make_batch
 
-    states = [model.make_state() for _ in prompts]
+    if paged:
+        from deepserve.model.kv_cache import PagedKVCache
+
+        pages = [-(-(len(p) + extra_tokens) // PAGE_SIZE) for p in prompts]
+        cache = PagedKVCache(model, sum(pages), PAGE_SIZE, len(prompts), device=device)
+        first = [sum(pages[:i]) for i in range(len(prompts))]
+        states = [cache.new_sequence(list(range(f, f + n)))[0] for f, n in zip(first, pages)]
+    else:
+        states = [model.make_state() for _ in prompts]
     for i in range(0, len(prompts), group):
         part = prompts[i : i + group]
         model(make_batch(part, [0] * len(part), device), states[i : i + group])
@@ -339,11 +352,12 @@ def host_profile(model, device, states, row, start) -> list[dict]:
 
 
 @torch.no_grad()
-def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps, vocab, long_context) -> dict:
+def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps, vocab, long_context,
+                    paged: bool = True) -> dict:
     from deepserve.model.batch import make_batch
 
     g = torch.Generator().manual_seed(2)
-    out = {"prefill": {}, "decode": {}, "profile": {}, "bf16_lm_head": {}}
+    out = {"prefill": {}, "decode": {}, "profile": {}}
     # warm-up: compiles the Triton kernels for prefill- and decode-sized tiles
     st = prefill_states(model, device, [torch.randint(2, vocab, (context,), generator=g).tolist()] * 2, group=2)
     decode_steps(model, device, st, [[5, 6]] * 2, context)
@@ -367,7 +381,8 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
     for b in decode_batches:
         for ctx in sorted({context, long_context if b in (1, 64) else context}):
             prompts = [torch.randint(2, vocab, (ctx,), generator=g).tolist() for _ in range(b)]
-            states = prefill_states(model, device, prompts, group=max(1, 16384 // ctx))
+            states = prefill_states(model, device, prompts, group=max(1, 16384 // ctx), extra_tokens=steps + 8,
+                                    paged=paged)
             toks = torch.randint(2, vocab, (steps + 3, b), generator=g).tolist()
             decode_steps(model, device, states, toks[:2], ctx)
             s = decode_steps(model, device, states, toks[2:-1], ctx + 2)
@@ -384,22 +399,6 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
                 for h in p["host"][:12]:
                     print(f"      host {1e3 * h['seconds']:8.2f} ms {h['calls']:6d}x {h['function']}")
             del states
-    # what the fp32 LM head (the model upcasts the 0.5B-parameter head every step) costs: the same decode with
-    # a bf16 head, fp32 accumulation and fp32 logits; an experiment, not the shipped path
-    original = model.logits
-    model.logits = lambda hidden: model.backend.linear(hidden.to(model.lm_head.weight.dtype), model.lm_head.weight).float()
-    try:
-        for b in [x for x in (1, 64) if x in decode_batches]:
-            prompts = [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(b)]
-            states = prefill_states(model, device, prompts, group=max(1, 16384 // context))
-            toks = torch.randint(2, vocab, (steps + 2, b), generator=g).tolist()
-            decode_steps(model, device, states, toks[:2], context)
-            s = decode_steps(model, device, states, toks[2:], context + 2)
-            out["bf16_lm_head"][f"{b}@{context}"] = {"batch": b, "context": context, "ms_per_step": 1e3 * s, "tok_s": b / s}
-            print(f"  deepserve decode batch {b}, bf16 LM head: {1e3 * s:.2f} ms/step", flush=True)
-            del states
-    finally:
-        model.logits = original
     return out
 
 
@@ -471,6 +470,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="tokens of context before decoding")
     ap.add_argument("--long-context", type=int, default=4096, help="a second decode context (deepserve, batch 1 and 64)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--contiguous", action="store_true",
+                    help="decode over self-contained per-sequence states instead of the paged cache the engine uses")
+    ap.add_argument("--decode-only", action="store_true", help="skip deepserve's prefill rows")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -518,8 +520,10 @@ def main() -> None:
         res["write_seconds"] = time.perf_counter() - began
         res["transformers"] = bench_hf(tmp, device, dtype, hf_prefill, hf_batches, args.context, args.steps,
                                        cfg["vocab_size"])
-    res["deepserve"] = bench_deepserve(model, device, ds_prefill, ds_batches, args.context, args.steps,
-                                       cfg["vocab_size"], args.long_context)
+    res["deepserve_state"] = "contiguous" if args.contiguous else "paged"
+    res["deepserve"] = bench_deepserve(model, device, [] if args.decode_only else ds_prefill, ds_batches,
+                                       args.context, args.steps, cfg["vocab_size"], args.long_context,
+                                       paged=not args.contiguous)
 
     for who in ("transformers", "deepserve"):
         for key, d in res.get(who, {}).get("decode", {}).items():
