@@ -130,14 +130,20 @@ class ModelRunner(ModelExecutor):
         batch.token_ids[positions] = tokens[sources]
         return batch
 
-    def _grammar_masks(self, masks: StepMasks | None, sampling: list[int], vocab_size: int, out: StepOutput):
-        """(sampling rows, their mask bias [rows, V] on the device), or None. Waits for the host to finish the
-        bitmask: the forward has run meanwhile."""
+    @staticmethod
+    def _wait_bitmask(masks: StepMasks | None, out: StepOutput):
+        """The step's grammar bitmask once the host has filled it (None: no constrained rows), timing the wait."""
         if masks is None:
             return None
         began = time.perf_counter()
         bitmask = masks.bitmask.result()
         out.mask_wait_seconds = time.perf_counter() - began
+        return bitmask
+
+    def _grammar_masks(self, masks: StepMasks | None, sampling: list[int], vocab_size: int, out: StepOutput):
+        """(sampling rows, their mask bias [rows, V] on the device), or None. Waits for the host to finish the
+        bitmask: the forward has run meanwhile."""
+        bitmask = self._wait_bitmask(masks, out)
         if bitmask is None:
             return None
         row_of = {chunk_index: row for row, chunk_index in enumerate(sampling)}
@@ -246,11 +252,7 @@ class ModelRunner(ModelExecutor):
                       out: StepOutput):
         """(verify rows, their grammar mask bias) for constrained chunks, once the host has filled the bitmask:
         bitmask rows are consecutive per chunk (1 + drafts each), as the verify rows are."""
-        if masks is None:
-            return None
-        began = time.perf_counter()
-        bitmask = masks.bitmask.result()
-        out.mask_wait_seconds = time.perf_counter() - began
+        bitmask = self._wait_bitmask(masks, out)
         if bitmask is None:
             return None
         first, at = {}, 0

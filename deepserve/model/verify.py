@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepserve.backends.reference.sampling import _argmax_lowest, filter_logits, row_keys, uniform_noise
+from deepserve.backends.reference.sampling import argmax_lowest, filter_logits, row_keys, uniform_noise
 from deepserve.core.interfaces import Backend
 
 from .speculative import RowSampling
@@ -60,7 +60,7 @@ def verify(backend: Backend, logits: Tensor, sampling: RowSampling, positions: T
 
     greedy = sampling.temperature <= 0
     if draft_probs is None and all_greedy:
-        plain = _argmax_lowest(logits)  # what Backend.sample gives a greedy row
+        plain = argmax_lowest(logits)  # what Backend.sample gives a greedy row
     else:  # the bonus draw, and the greedy target everywhere
         plain = backend.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                sampling.seeds, positions)

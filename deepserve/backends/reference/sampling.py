@@ -48,7 +48,7 @@ def uniform_noise(keys: Tensor, vocab_size: int) -> Tensor:
     return (bits.to(torch.float64) + 0.5) * _TWO_POW_MINUS_53
 
 
-def _argmax_lowest(x: Tensor) -> Tensor:
+def argmax_lowest(x: Tensor) -> Tensor:
     """Row-wise argmax whose ties go to the lowest index on every device (independent of kernel choices)."""
     ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     hit = x == x.max(dim=-1, keepdim=True).values
@@ -99,8 +99,8 @@ def sample(
     noise = uniform_noise(row_keys(seeds, positions), logits.shape[1])
     # exponential race in log space: log p_v - log E_v; the softmax normaliser is a per-row constant
     scores = filtered.to(torch.float64) - torch.log(-torch.log(noise))
-    sampled = _argmax_lowest(scores)
-    greedy = _argmax_lowest(logits.to(torch.float32))
+    sampled = argmax_lowest(scores)
+    greedy = argmax_lowest(logits.to(torch.float32))
     return torch.where(temperature.to(logits.device) > 0, sampled, greedy)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.backends.reference.sampling import _argmax_lowest
+from deepserve.backends.reference.sampling import argmax_lowest
 from deepserve.model.batch import ForwardBatch, SeqChunk, make_batch
 from deepserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from deepserve.model.speculative import DraftChunk, Drafts, Proposer, RowSampling
@@ -84,7 +84,7 @@ class MTPProposer(Proposer):
         """Draft tokens for the token positions `positions`, and q, the distribution they were drawn from (None
         when every row is greedy)."""
         if not sampled:
-            return _argmax_lowest(logits), None
+            return argmax_lowest(logits), None
         backend = self.model.backend
         token = backend.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                sampling.seeds ^ DRAFT_SALT, positions)
