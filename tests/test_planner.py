@@ -65,6 +65,32 @@ def test_greedy_is_optimal_on_brute_forced_cases():
     assert min(worst.values()) >= 1 - 1e-12, worst
 
 
+def test_other_work_in_the_step_is_part_of_the_optimum():
+    """Prefill chunks and non-drafting requests share the step: with their tokens in t and their outputs in the
+    rate, the planner still matches brute force, and it changes its answer where it should."""
+    rng = random.Random(11)
+    for case in range(600):
+        name = list(CURVES)[case % len(CURVES)]
+        other_tokens, other_outputs = rng.randint(0, 40), rng.randint(0, 8)
+        conf = random_confidences(rng)
+        lengths = plan_verify_lengths(conf, CURVES[name], other_tokens, other_outputs)
+        N = len(conf)
+        cums = [[0.0, *itertools.accumulate(prefix_survivals(c))] for c in conf]
+
+        def rate(ls):
+            return (other_outputs + N + sum(cum[n] for cum, n in zip(cums, ls))) / CURVES[name](other_tokens + N + sum(ls))
+
+        best = max(rate(ls) for ls in itertools.product(*(range(len(c) + 1) for c in conf)))
+        assert rate(lengths) >= best * (1 - 1e-12), (name, conf, other_tokens, other_outputs)
+    # t(T) = T (every token costs the same): alone, one sequence with survivals .9, .09 verifies nothing (1/1 beats
+    # 1.9/2); beside 10 tokens of prefill that sample nothing, a draft is nearly free: 1/11 = .091, 1.9/12 = .158,
+    # 1.99/13 = .153 -> verify one
+    assert plan_verify_lengths([[0.9, 0.1]], lambda T: float(T)) == [0]
+    assert plan_verify_lengths([[0.9, 0.1]], lambda T: float(T), other_tokens=10) == [1]
+    with pytest.raises(ValueError, match="other_tokens"):
+        plan_verify_lengths([[0.5]], lambda T: 1.0, other_tokens=-1)
+
+
 def test_verifies_prefixes_of_the_most_confident_sequences_first():
     conf = [[0.95, 0.9, 0.9, 0.85, 0.8], [0.3, 0.2, 0.9, 0.9, 0.9], [0.7, 0.6, 0.5, 0.4, 0.3]]
     lengths = plan_verify_lengths(conf, lambda T: 1.0 + 0.2 * T)

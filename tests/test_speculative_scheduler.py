@@ -42,13 +42,13 @@ def test_limits_and_the_planner_trim_what_is_verified():
     assert scheduler.schedule().chunks[0].num_draft_tokens == 2
     seen = []
 
-    def planner(confidences):
-        seen.append(confidences)
+    def planner(confidences, other_tokens, other_outputs):
+        seen.append((confidences, other_tokens, other_outputs))
         return [1]
 
     scheduler, request, _ = make(planner=planner)
     assert scheduler.schedule().chunks[0].token_ids == (50, 51)
-    assert seen == [[[0.9] * 4]]
+    assert seen == [([[0.9] * 4], 0, 0)]  # the only running request drafts: no other work in the step
 
 
 def test_a_stop_inside_kept_drafts_ends_the_request_there():

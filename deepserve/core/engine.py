@@ -117,7 +117,8 @@ class EngineCore:
         verify_planner=None,
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
-        `verify_planner`: DSpark's planner (`plan(confidences) -> lengths`, `observe(num_tokens, seconds)`)."""
+        `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
+        `observe(num_tokens, seconds)`)."""
         self.scheduler, self.executor, self.cost_model = scheduler, executor, cost_model
         self.num_speculative_tokens, self.verify_planner = num_speculative_tokens, verify_planner
         if verify_planner is not None:

@@ -106,10 +106,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Collection[int] = (),
-        verify_planner: Callable[[list[list[float]]], list[int]] | None = None,
+        verify_planner: Callable[..., list[int]] | None = None,
     ) -> None:
-        """`verify_planner` (DSpark): given the draft confidences of the running requests that have drafts,
-        how many of each request's drafts to verify this step; without one every draft is verified."""
+        """`verify_planner` (DSpark): `verify_planner(confidences, other_tokens=, other_outputs=)` -> given the
+        draft confidences of the running requests that have drafts, and the step's other work (tokens the other
+        running requests catch up on, tokens they sample), how many of each request's drafts to verify this
+        step; without one every draft is verified."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
@@ -261,7 +263,15 @@ class Scheduler:
         # with a step in flight, the confidences are those of the drafts before (one step old)
         confidences = [(r.spec_confidences or [1.0] * len(r.next_drafts))[: len(r.next_drafts)] for r in drafting]
         confidences = [c + [c[-1] if c else 1.0] * (len(r.next_drafts) - len(c)) for c, r in zip(confidences, drafting)]
-        for request, length in zip(drafting, self.verify_planner(confidences)):
+        other_tokens = other_outputs = 0
+        for r in self.running:  # what else the step will compute, as far as it is known before admission
+            if not r.next_drafts:
+                catch_up = r.num_tokens_with_pending - r.num_computed_tokens
+                other_tokens += max(catch_up, 0)
+                other_outputs += 0 < catch_up <= self.max_num_batched_tokens
+        other_tokens = min(other_tokens, self.max_num_batched_tokens)
+        for request, length in zip(drafting, self.verify_planner(confidences, other_tokens=other_tokens,
+                                                                 other_outputs=other_outputs)):
             del request.next_drafts[length:]
 
     def _cap_drafts(self, request: Request, budget: int) -> None:

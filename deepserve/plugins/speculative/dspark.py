@@ -16,9 +16,10 @@ class DSparkPlanner:
     def __init__(self, curve: StepTimeCurve | None = None) -> None:
         self.curve = curve or StepTimeCurve()
 
-    def plan(self, confidences: Sequence[Sequence[float]]) -> list[int]:
-        """How many drafts of each sequence to verify this step."""
-        return plan_verify_lengths(confidences, self.curve)
+    def plan(self, confidences: Sequence[Sequence[float]], other_tokens: int = 0, other_outputs: int = 0) -> list[int]:
+        """How many drafts of each sequence to verify this step, beside `other_tokens` of other work in it that
+        sample `other_outputs` tokens."""
+        return plan_verify_lengths(confidences, self.curve, other_tokens, other_outputs)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step that computed `num_tokens` tokens took `seconds` on the runner."""

@@ -53,20 +53,26 @@ def expected_rate(confidences: Sequence[Sequence[float]], lengths: Sequence[int]
     return expected_tokens(confidences, lengths) / _time(step_time, len(lengths) + sum(lengths))
 
 
-def plan_verify_lengths(confidences: Sequence[Sequence[float]], step_time: Callable[[int], float]) -> list[int]:
+def plan_verify_lengths(confidences: Sequence[Sequence[float]], step_time: Callable[[int], float],
+                        other_tokens: int = 0, other_outputs: float = 0.0) -> list[int]:
     """DSpark: the verify length of every sequence (0..len(confidences[i])) that maximises expected tokens per
-    second, given each sequence's draft confidences and the step time t(T) of a step verifying T tokens in all
-    (T = number of sequences + total verified drafts; a caller with other work in the step, such as prefill
-    chunks, closes over it in `step_time`). Exactly optimal for any positive t (see the module docstring)."""
+    second, given each sequence's draft confidences and the step time t(T) of a step computing T tokens in all.
+    T = `other_tokens` (the step's work besides the drafting sequences: prefill chunks, requests that do not
+    draft) + number of drafting sequences + total verified drafts; the step's output is `other_outputs` (tokens
+    the other work samples) + one per drafting sequence + the accepted drafts. Exactly optimal for any positive
+    t (see the module docstring: both extra terms are constants of the allocation)."""
     num_seqs = len(confidences)
     if num_seqs == 0:
         return []
+    if other_tokens < 0 or other_outputs < 0:
+        raise ValueError(f"other_tokens and other_outputs must be >= 0, got {other_tokens} and {other_outputs}")
     slots = [(-s, j, i) for i, c in enumerate(confidences) for j, s in enumerate(prefix_survivals(c))]
     slots.sort()  # highest survival first; on ties the earlier draft first, so every prefix is prefix-closed
-    best_m, best_rate, gained = 0, num_seqs / _time(step_time, num_seqs), 0.0
+    base, fixed = other_outputs + num_seqs, other_tokens + num_seqs
+    best_m, best_rate, gained = 0, base / _time(step_time, fixed), 0.0
     for m, (neg_s, _, _) in enumerate(slots, start=1):
         gained -= neg_s
-        rate = (num_seqs + gained) / _time(step_time, num_seqs + m)
+        rate = (base + gained) / _time(step_time, fixed + m)
         if rate > best_rate:
             best_m, best_rate = m, rate
     lengths = [0] * num_seqs
