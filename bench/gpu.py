@@ -446,7 +446,6 @@ def plot(res: dict, path: Path) -> None:
     bw = res["floors"].get("bandwidth_Bps")
     if bw:
         xs = [1, 16, 64, 256]
-        wb = res["weights"]
         a.plot(xs, [x / (res["bytes_at"][str(x)] / bw) for x in xs], "k--", lw=1, label="bandwidth floor")
     a.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="decode tokens/s",
           title=f"decode, context {res['context']}")

@@ -97,7 +97,8 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict:
 
 def make_compiler():
     from deepserve.core.plugins import collect_registrations, make_plugin_manager
-    from deepserve.core.structured import GrammarCompiler, TokenizerInfo
+    from deepserve.core.grammar_compiler import GrammarCompiler
+    from deepserve.core.structured import TokenizerInfo
 
     pm = make_plugin_manager(load_entrypoints=False)
     factories = collect_registrations(pm, "deepserve_register_grammar_backends")

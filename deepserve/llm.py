@@ -27,7 +27,8 @@ from deepserve.core.plugins import collect_registrations, make_plugin_manager, s
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
 from deepserve.core.scheduler.scheduler import Scheduler
-from deepserve.core.structured import GrammarCompiler, TokenizerInfo
+from deepserve.core.grammar_compiler import GrammarCompiler
+from deepserve.core.structured import TokenizerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import pytest
 import deepserve
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
-from deepserve.core.structured import GrammarBackend, GrammarCompiler
+from deepserve.core.grammar_compiler import GrammarCompiler
+from deepserve.core.structured import GrammarBackend
 from deepserve.server import ENGINE, ServerConfig
 from fake_grammar import dead_end_backend
 from test_server import MODEL, chat_dir, make_app, pages_all_free, parse_sse  # noqa: F401 - fixtures

@@ -17,7 +17,8 @@ from deepserve.core.plugins import collect_registrations, make_plugin_manager
 from deepserve.core.request import Request
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.scheduler import Scheduler
-from deepserve.core.structured import GrammarBackend, GrammarCompiler, GrammarError, GrammarSpec, TokenizerInfo
+from deepserve.core.grammar_compiler import GrammarCompiler
+from deepserve.core.structured import GrammarBackend, GrammarError, GrammarSpec, TokenizerInfo
 from deepserve.model.runner import mask_bias
 
 V4_VOCAB = 129280

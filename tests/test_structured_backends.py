@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
-from deepserve.core.structured import GatedBackend, GrammarCompiler, GrammarError, GrammarSpec, TokenizerInfo
+from deepserve.core.grammar_compiler import GrammarCompiler
+from deepserve.core.grammar_gate import GatedBackend
+from deepserve.core.structured import GrammarError, GrammarSpec, TokenizerInfo
 from deepserve.model.runner import mask_bias
 from test_structured import EOS, V4_VOCAB, real_tokenizer_json
 from test_structured_engine import CHOICES, REGEXES, SCHEMAS

@@ -19,7 +19,8 @@ import deepserve
 from deepserve import LLM, AsyncEngine, SamplingParams
 from deepserve.core.hookspecs import hookimpl
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
-from deepserve.core.structured import GrammarBackend, GrammarCompiler
+from deepserve.core.grammar_compiler import GrammarCompiler
+from deepserve.core.structured import GrammarBackend
 from fake_grammar import dead_end_backend
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -32,14 +32,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
-from deepserve.core.outputs import CompletionOutput, RequestOutput
+from deepserve.core.outputs import RequestOutput
 from deepserve.core.request import Request
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.scheduler import Scheduler, SchedulerOutput
 from deepserve.core.scheduler.cost_model import StepCostModel
 from deepserve.core.stop_checker import StopStringTracker, min_tokens_blocked_ids
-from deepserve.core.structured import (GrammarBackend, GrammarCompiler, GrammarError, GrammarMatcher,
-                                       timeout_message)
+from deepserve.core.grammar_compiler import GrammarCompiler, timeout_message
+from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher
 from deepserve.core.tracking import GRAMMAR_ERROR_PREFIX, GrammarState, RequestTracker
 
 #: how long an idle `step()` waits for a grammar compile when nothing else can run

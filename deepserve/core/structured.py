@@ -1,5 +1,6 @@
-"""Structured output: what a request asks for (`GrammarSpec`), what a grammar engine implements
-(`GrammarBackend`, `GrammarMatcher`), and `GrammarCompiler`, which compiles specs off the step loop.
+"""Structured output: what a request asks for (`GrammarSpec`) and what a grammar engine implements
+(`GrammarBackend`, `GrammarMatcher`). `grammar_compiler.GrammarCompiler` compiles specs off the step loop;
+`grammar_gate` starts a constraint after a token (the end of a thinking section).
 
 Life of a constrained request: `SamplingParams(structured_outputs={...})` turns the user's dict into a
 `GrammarSpec`; the engine hands it to `GrammarCompiler.submit`, which compiles it on a small thread pool (an
@@ -15,14 +16,9 @@ Python: nothing here imports torch or a grammar engine; bitmasks are opaque obje
 from __future__ import annotations
 
 import json
-import threading
-import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 #: the kinds of constraint a request can ask for, as the keys of `structured_outputs`
@@ -248,81 +244,10 @@ class GrammarMatcher(ABC):
             if num_accepted:
                 self.rollback(num_accepted)
 
-
-def _int32(value: int) -> int:
-    """`value`'s low 32 bits as a signed int32 (what an int32 bitmask word holds)."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
 def _allows(bitmask: Any, row: int, token: int) -> bool:
     """Bit `token` of row `row` (the shared layout: bit j of word w is token 32 w + j)."""
     words = bitmask[row]
     return 0 <= token < 32 * len(words) and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
-
-
-class GatedMatcher(GrammarMatcher):
-    """A constraint that starts after a token: every token but EOS is allowed until `open_token` has been
-    consumed, then `inner` (a fresh matcher of the grammar) decides. That is a thinking model's constraint: free
-    reasoning up to `</think>`, then the constrained answer. EOS (`eos_token_ids`) is held back while the gate is
-    closed because ending there would end the request without the answer its constraint promises. Rollback
-    reaches back across the opening token (speculative decoding may reject it), closing the gate again with
-    `inner` back at its start."""
-
-    __slots__ = ("inner", "open_token", "eos_token_ids", "is_open", "num_before", "num_inner")
-
-    def __init__(self, inner: GrammarMatcher, open_token: int, eos_token_ids: Sequence[int] = ()) -> None:
-        self.inner, self.open_token, self.eos_token_ids = inner, open_token, tuple(eos_token_ids)
-        self.is_open = False
-        self.num_before = 0  # tokens consumed while closed, the opening token included
-        self.num_inner = 0  # tokens `inner` has consumed since the gate opened
-
-    def consume(self, token_id: int) -> bool:
-        if not self.is_open:
-            self.num_before += 1
-            self.is_open = token_id == self.open_token
-            return True
-        if not self.inner.consume(token_id):
-            return False
-        self.num_inner += 1
-        return True
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        if self.is_open:
-            self.inner.fill_bitmask(bitmask, row)
-            return
-        bitmask[row] = -1  # every bit set: any token (the shared int32 layout)...
-        for token in self.eos_token_ids:  # ...but EOS
-            if token < 32 * len(bitmask[row]):
-                bitmask[row, token >> 5] &= _int32(~(1 << (token & 31)))
-
-    def is_terminated(self) -> bool:
-        return self.is_open and self.inner.is_terminated()
-
-    def is_error(self) -> bool:
-        return self.is_open and self.inner.is_error()
-
-    def error_message(self) -> str:
-        return self.inner.error_message() if self.is_open else ""
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_before + self.num_inner:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_before + self.num_inner} were "
-                             "consumed")
-        from_inner = min(num_tokens, self.num_inner)
-        if from_inner:
-            self.inner.rollback(from_inner)
-            self.num_inner -= from_inner
-        if num_tokens > from_inner:  # the opening token goes back too
-            self.is_open = False
-            self.num_before -= num_tokens - from_inner
-
-    def is_stop_token(self, token_id: int) -> bool:
-        return self.inner.is_stop_token(token_id)
-
-    def forced_tokens(self) -> list[int]:
-        return self.inner.forced_tokens() if self.is_open else []
-
 
 class GrammarBackend(ABC):
     """A grammar engine bound to one tokenizer: built once by its plugin factory, `factory(TokenizerInfo)`.
@@ -357,160 +282,3 @@ class GrammarBackend(ABC):
             if matcher.is_error():
                 dead.append(row)
         return dead
-
-
-class GatedBackend(GrammarBackend):
-    """The backend of `GatedMatcher`s over `inner`'s: one per (inner backend, opening token), so one step's rows
-    of both kinds still fill in one `fill_bitmasks` call of the inner backend (in parallel where it can)."""
-
-    def __init__(self, inner: GrammarBackend, open_token: int, eos_token_ids: Sequence[int] = ()) -> None:
-        self.inner, self.open_token, self.eos_token_ids = inner, open_token, tuple(eos_token_ids)
-        self.name = inner.name
-
-    def compile(self, spec: GrammarSpec) -> Any:
-        return self.inner.compile(spec)
-
-    def new_matcher(self, compiled: Any) -> GatedMatcher:
-        return GatedMatcher(self.inner.new_matcher(compiled), self.open_token, self.eos_token_ids)
-
-    def allocate_bitmask(self, num_rows: int) -> Any:
-        return self.inner.allocate_bitmask(num_rows)
-
-    def fill_bitmasks(self, bitmask: Any, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[int]:
-        open_rows = []
-        for matcher, row in rows:
-            if matcher.is_open:
-                open_rows.append((matcher.inner, row))
-            else:
-                matcher.fill_bitmask(bitmask, row)
-        return self.inner.fill_bitmasks(bitmask, open_rows) if open_rows else []
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledGrammar:
-    """A compiled spec and the backend that compiled it (and makes its matchers)."""
-
-    backend: GrammarBackend
-    compiled: Any
-    seconds: float
-
-    def new_matcher(self) -> GrammarMatcher:
-        return self.backend.new_matcher(self.compiled)
-
-
-class GrammarCompiler:
-    """Compiles specs on `max_workers` threads, keeps the last `cache_size` results (LRU, keyed by backend, kind,
-    canonical spec and options), and builds each backend once, on first use. Thread-safe.
-
-    `factories` maps backend names to plugin factories; `default_backend` serves specs that name none.
-    `timeout` is the per-request compile budget in seconds the engine enforces.
-    """
-
-    def __init__(self, factories: Mapping[str, Callable[[TokenizerInfo], GrammarBackend]], tokenizer: TokenizerInfo,
-                 default_backend: str = "llguidance", timeout: float = 10.0, max_workers: int = 2,
-                 cache_size: int = 256) -> None:
-        if default_backend not in factories:
-            raise ValueError(f"structured-output backend {default_backend!r} is not registered; "
-                             f"registered: {sorted(factories) or 'none'}")
-        if not timeout > 0:
-            raise ValueError(f"the grammar compile timeout must be positive, got {timeout}")
-        self.factories, self.tokenizer = dict(factories), tokenizer
-        self.default_backend, self.timeout, self.cache_size = default_backend, float(timeout), cache_size
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepserve-grammar")
-        self._lock = threading.Lock()
-        self._backends: dict[str, GrammarBackend] = {}
-        self._backend_locks = {name: threading.Lock() for name in self.factories}
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._gated_backends: dict[tuple[str, int], GatedBackend] = {}
-
-    def backend_name(self, spec: GrammarSpec) -> str:
-        name = spec.backend or self.default_backend
-        if name not in self.factories:
-            raise GrammarError(f"structured-output backend {name!r} is not registered; "
-                               f"registered: {sorted(self.factories)}")
-        return name
-
-    def backend(self, name: str) -> GrammarBackend:
-        """The backend registered as `name`, built on first use (its factory may take a second or two)."""
-        with self._backend_locks[name]:
-            if name not in self._backends:
-                backend = self.factories[name](self.tokenizer)
-                if not isinstance(backend, GrammarBackend):
-                    raise GrammarError(f"the factory registered as {name!r} returned a {type(backend).__name__}, "
-                                       "not a deepserve.core.structured.GrammarBackend")
-                self._backends[name] = backend
-            return self._backends[name]
-
-    def warm_up(self) -> Future:
-        """Build the default backend on a worker thread now, so the first request does not wait for it."""
-        return self._pool.submit(self.backend, self.default_backend)
-
-    def submit(self, spec: GrammarSpec) -> Future:
-        """Start compiling `spec` (or share the compile already cached). The future gives a `CompiledGrammar` or
-        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend. A spec with `after_token`
-        shares the compile of the same spec without it; its matchers are `GatedMatcher`s."""
-        if spec.after_token is not None:
-            return self._gated(self.submit(replace(spec, after_token=None)), spec.after_token)
-        name = self.backend_name(spec)
-        key = (name, spec.kind, spec.spec, spec.compact_json, spec.ascii_classes)
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                future = self._cache[key] = self._pool.submit(self._compile, name, spec)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-        return future
-
-    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
-        """Compile and wait (at most `timeout`, default the compiler's); raises `GrammarError` naming the problem."""
-        future = self.submit(spec)
-        timeout = self.timeout if timeout is None else timeout
-        try:
-            return future.result(timeout=timeout)
-        except FutureTimeout:
-            raise GrammarError(timeout_message(spec, timeout)) from None
-
-    def _gated(self, compiling: Future, open_token: int) -> Future:
-        gated: Future = Future()
-
-        def done(future: Future) -> None:
-            if gated.cancelled():
-                return
-            if future.cancelled():
-                gated.cancel()
-            elif future.exception() is not None:
-                gated.set_exception(future.exception())
-            else:
-                compiled = future.result()
-                gated.set_result(replace(compiled, backend=self._gated_backend(compiled.backend, open_token)))
-
-        compiling.add_done_callback(done)
-        return gated
-
-    def _gated_backend(self, inner: GrammarBackend, open_token: int) -> GatedBackend:
-        with self._lock:
-            key = (inner.name, open_token)
-            if key not in self._gated_backends:
-                self._gated_backends[key] = GatedBackend(inner, open_token, self.tokenizer.eos_token_ids)
-            return self._gated_backends[key]
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _compile(self, name: str, spec: GrammarSpec) -> CompiledGrammar:
-        began = time.perf_counter()
-        try:
-            backend = self.backend(name)
-            compiled = backend.compile(spec)
-        except GrammarError:
-            raise
-        except Exception as exc:  # a grammar engine's own error type: still the user's spec, named as such
-            raise GrammarError(f"{name} could not compile the {spec.description}: {exc}") from exc
-        return CompiledGrammar(backend, compiled, time.perf_counter() - began)
-
-
-def timeout_message(spec: GrammarSpec, timeout: float) -> str:
-    return (f"compiling the {spec.description} took longer than the {timeout:g} s grammar compile timeout; "
-            "simplify it or raise grammar_compile_timeout")

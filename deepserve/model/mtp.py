@@ -10,7 +10,6 @@ over the (H_p, t_p) pairing is written down in docs/architecture.md.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from deepserve.core.config import MOE, SLIDING, ModelConfig
 from deepserve.core.interfaces import Backend

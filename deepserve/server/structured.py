@@ -37,7 +37,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deepserve.core.outputs import CompletionOutput
-from deepserve.core.structured import GrammarError, GrammarSpec, timeout_message
+from deepserve.core.grammar_compiler import timeout_message
+from deepserve.core.structured import GrammarError, GrammarSpec
 from deepserve.server.errors import ApiError
 from deepserve.server.http import json_type
 

@@ -1,0 +1,151 @@
+"""`GrammarCompiler`: compiles `GrammarSpec`s off the step loop.
+
+Specs compile on a small thread pool while their requests prefill; an LRU cache keyed by backend, kind,
+canonical spec and options makes repeats free; each grammar backend (a plugin factory) is built once, on first
+use; a spec with `after_token` shares the compile of the same spec without it and gets gated matchers. Plain
+Python.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from typing import Any
+
+from deepserve.core.grammar_gate import GatedBackend
+from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec, TokenizerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A compiled spec and the backend that compiled it (and makes its matchers)."""
+
+    backend: GrammarBackend
+    compiled: Any
+    seconds: float
+
+    def new_matcher(self) -> GrammarMatcher:
+        return self.backend.new_matcher(self.compiled)
+
+
+class GrammarCompiler:
+    """Compiles specs on `max_workers` threads, keeps the last `cache_size` results (LRU, keyed by backend, kind,
+    canonical spec and options), and builds each backend once, on first use. Thread-safe.
+
+    `factories` maps backend names to plugin factories; `default_backend` serves specs that name none.
+    `timeout` is the per-request compile budget in seconds the engine enforces.
+    """
+
+    def __init__(self, factories: Mapping[str, Callable[[TokenizerInfo], GrammarBackend]], tokenizer: TokenizerInfo,
+                 default_backend: str = "llguidance", timeout: float = 10.0, max_workers: int = 2,
+                 cache_size: int = 256) -> None:
+        if default_backend not in factories:
+            raise ValueError(f"structured-output backend {default_backend!r} is not registered; "
+                             f"registered: {sorted(factories) or 'none'}")
+        if not timeout > 0:
+            raise ValueError(f"the grammar compile timeout must be positive, got {timeout}")
+        self.factories, self.tokenizer = dict(factories), tokenizer
+        self.default_backend, self.timeout, self.cache_size = default_backend, float(timeout), cache_size
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepserve-grammar")
+        self._lock = threading.Lock()
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backend_locks = {name: threading.Lock() for name in self.factories}
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._gated_backends: dict[tuple[str, int], GatedBackend] = {}
+
+    def backend_name(self, spec: GrammarSpec) -> str:
+        name = spec.backend or self.default_backend
+        if name not in self.factories:
+            raise GrammarError(f"structured-output backend {name!r} is not registered; "
+                               f"registered: {sorted(self.factories)}")
+        return name
+
+    def backend(self, name: str) -> GrammarBackend:
+        """The backend registered as `name`, built on first use (its factory may take a second or two)."""
+        with self._backend_locks[name]:
+            if name not in self._backends:
+                backend = self.factories[name](self.tokenizer)
+                if not isinstance(backend, GrammarBackend):
+                    raise GrammarError(f"the factory registered as {name!r} returned a {type(backend).__name__}, "
+                                       "not a deepserve.core.structured.GrammarBackend")
+                self._backends[name] = backend
+            return self._backends[name]
+
+    def warm_up(self) -> Future:
+        """Build the default backend on a worker thread now, so the first request does not wait for it."""
+        return self._pool.submit(self.backend, self.default_backend)
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        """Start compiling `spec` (or share the compile already cached). The future gives a `CompiledGrammar` or
+        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend. A spec with `after_token`
+        shares the compile of the same spec without it; its matchers are `GatedMatcher`s."""
+        if spec.after_token is not None:
+            return self._gated(self.submit(replace(spec, after_token=None)), spec.after_token)
+        name = self.backend_name(spec)
+        key = (name, spec.kind, spec.spec, spec.compact_json, spec.ascii_classes)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, name, spec)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return future
+
+    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
+        """Compile and wait (at most `timeout`, default the compiler's); raises `GrammarError` naming the problem."""
+        future = self.submit(spec)
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            raise GrammarError(timeout_message(spec, timeout)) from None
+
+    def _gated(self, compiling: Future, open_token: int) -> Future:
+        gated: Future = Future()
+
+        def done(future: Future) -> None:
+            if gated.cancelled():
+                return
+            if future.cancelled():
+                gated.cancel()
+            elif future.exception() is not None:
+                gated.set_exception(future.exception())
+            else:
+                compiled = future.result()
+                gated.set_result(replace(compiled, backend=self._gated_backend(compiled.backend, open_token)))
+
+        compiling.add_done_callback(done)
+        return gated
+
+    def _gated_backend(self, inner: GrammarBackend, open_token: int) -> GatedBackend:
+        with self._lock:
+            key = (inner.name, open_token)
+            if key not in self._gated_backends:
+                self._gated_backends[key] = GatedBackend(inner, open_token, self.tokenizer.eos_token_ids)
+            return self._gated_backends[key]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, name: str, spec: GrammarSpec) -> CompiledGrammar:
+        began = time.perf_counter()
+        try:
+            backend = self.backend(name)
+            compiled = backend.compile(spec)
+        except GrammarError:
+            raise
+        except Exception as exc:  # a grammar engine's own error type: still the user's spec, named as such
+            raise GrammarError(f"{name} could not compile the {spec.description}: {exc}") from exc
+        return CompiledGrammar(backend, compiled, time.perf_counter() - began)
+
+
+def timeout_message(spec: GrammarSpec, timeout: float) -> str:
+    return (f"compiling the {spec.description} took longer than the {timeout:g} s grammar compile timeout; "
+            "simplify it or raise grammar_compile_timeout")
