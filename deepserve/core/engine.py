@@ -17,7 +17,10 @@ wherever N's kept drafts leave it (a *relative* chunk; see the scheduler), and D
 lengths from the confidences of the drafts before (one step old). Requests with `logprobs`,
 or still under `min_tokens`, do not draft (they decode one token per step as before). Constrained requests do:
 their matcher checks the drafts and fills one mask row per verified position (`fill_draft_masks`), so the
-target distribution the drafts are verified against is the grammar-masked one. With a
+target distribution the drafts are verified against is the grammar-masked one. Where the grammar forces the next
+tokens (`forced_tokens()`: a JSON schema's keys and punctuation), those are the request's drafts instead of the
+drafter's, verified by exact match with the target's own sample; only when no step for the request is in flight
+(synchronous scheduling), since a step already planned verifies the drafter's drafts as placeholders. With a
 verify planner (DSpark) the scheduler trims every request's drafts to the planned length before each step,
 and the planner's step-time curve learns from every step's size and duration.
 Plain Python: the runner is reached only through `ModelExecutor`.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import RequestOutput
-from deepserve.core.request import Request
+from deepserve.core.request import Request, RequestStatus
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.scheduler.scheduler import Scheduler, SchedulerOutput
 from deepserve.core.scheduler.cost_model import StepCostModel
@@ -74,6 +77,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     verified_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    num_forced_draft_tokens: int = 0  # drafts that were tokens a grammar forced (in num_draft_tokens too)
 
     def record(self, num_verified: int, num_accepted: int) -> None:
         self.num_seq_steps += 1
@@ -243,7 +247,7 @@ class EngineCore:
                     next_token = request.all_token_ids[end]
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
                                      blocked, targets, snaps, c.num_draft_tokens, next_token, speculate or 0,
-                                     c.relative))
+                                     c.relative, c.forced_drafts))
         return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids,
                          masks.masks if masks is not None else None)
 
@@ -292,7 +296,25 @@ class EngineCore:
                 tracker.request.finish(*reason)  # plain decoding would have stopped here, before what ended it
             if tracker.request.is_finished:
                 del self._trackers[request_id]
+            elif tracker.grammar is not None and self.num_speculative_tokens:
+                self._force_drafts(tracker)
         return [t.output() for t in touched.values()]
+
+    def _force_drafts(self, tracker: RequestTracker) -> None:
+        """Draft the tokens the grammar forces next (a JSON schema's keys and punctuation) instead of the
+        drafter's: their mask allows little or nothing else, so they are nearly always kept. Only where the
+        request's next chunk is planned from now on (no step for it in flight: synchronous scheduling, or a
+        pipeline gap); a step already planned verifies the drafter's drafts as placeholders, and the forced
+        tokens would be for positions that step fills anyway."""
+        request, matcher = tracker.request, tracker.grammar.matcher
+        if (matcher is None or request.num_pending_tokens or request.num_inflight_verifies
+                or request.status is not RequestStatus.RUNNING or not self._may_draft(tracker)):
+            return
+        forced = matcher.forced_tokens()[: self.num_speculative_tokens]
+        if forced:
+            self.stats.spec.num_draft_tokens += len(forced) - len(request.spec_token_ids)
+            self.stats.spec.num_forced_draft_tokens += len(forced)
+            self.scheduler.force_drafts(request.request_id, forced)
 
     def _absorb(self, tracker: RequestTracker, logprobs, sampled_logprob) -> tuple[str, str | None] | None:
         """Take the tokens the scheduler just appended (one, or several with kept drafts), one at a time, as plain

@@ -167,7 +167,9 @@ class ChunkInput:
     With asynchronous scheduling the drafts may be `DRAFT_PLACEHOLDER`s (the drafts the previous step makes),
     and a chunk planned while the request's previous verify step is still running is `relative`: it continues
     wherever that step's kept drafts leave the sequence, so the runner ignores `start` (an upper bound) and
-    computes the page snapshots itself.
+    computes the page snapshots itself. `exact_drafts`: the drafts are tokens the request's grammar forces, not
+    the drafter's; each is kept when it equals the token the target samples at its position (greedy or with the
+    request's own seed), so the tokens are exactly those of plain decoding.
     """
 
     request_id: str
@@ -184,6 +186,7 @@ class ChunkInput:
     next_token_id: int | None = None
     num_speculative_tokens: int = 0
     relative: bool = False
+    exact_drafts: bool = False
 
 
 @dataclass(frozen=True, slots=True)

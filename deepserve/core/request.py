@@ -45,7 +45,8 @@ class Request:
     Speculative decoding: `spec_token_ids` are drafts for the positions after the last token (with
     `spec_confidences`, when the drafter estimates them); the next step verifies them as extra tokens of the
     catch-up. `num_draft_tokens`, `num_verified_tokens`, `num_accepted_tokens` count drafts made, verified
-    and kept over the request's life. With asynchronous scheduling, `num_pending_tokens` of a verify step in
+    and kept over the request's life (drafts made: the drafter's, or, where `spec_forced`, the tokens the
+    request's grammar forces next, which replace the drafter's for that step). With asynchronous scheduling, `num_pending_tokens` of a verify step in
     flight is an upper bound (1 + its drafts), as is `num_computed_tokens`; the update corrects both.
     """
 
@@ -54,7 +55,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason", "stop_reason",
         "num_pending_tokens", "awaiting_grammar", "spec_token_ids", "spec_confidences", "num_draft_tokens",
         "num_verified_tokens", "num_accepted_tokens", "next_drafts", "num_drafts_in_flight",
-        "num_inflight_verifies",
+        "num_inflight_verifies", "spec_forced",
     )
 
     def __init__(
@@ -86,6 +87,7 @@ class Request:
         self.next_drafts: list[int] = []  # what the next chunk verifies (the scheduler's working list)
         self.num_drafts_in_flight = 0  # drafts the last launched step makes for it (asynchronous scheduling)
         self.num_inflight_verifies = 0  # launched steps verifying its drafts, not yet applied
+        self.spec_forced = False  # spec_token_ids are tokens its grammar forces, not the drafter's
 
     @property
     def num_prompt_tokens(self) -> int:

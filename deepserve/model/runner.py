@@ -190,17 +190,19 @@ class ModelRunner(ModelExecutor):
         sampling_rows = self._row_sampling(picked).repeat_rows(num_drafts)
         positions = [c.start + len(c.token_ids) - k + j for c, k in zip(picked, num_drafts) for j in range(k + 1)]
         draft_ids = [t for c, k in zip(picked, num_drafts) for t in c.token_ids[len(c.token_ids) - k:] + (0,)]
-        probs = None
-        if any(k and c.params.temperature > 0 for c, k in zip(picked, num_drafts)):
+        probs = exact = None
+        if any(k and c.params.temperature > 0 and not c.exact_drafts for c, k in zip(picked, num_drafts)):
             probs = torch.zeros_like(rows)
             at = 0
             for c, k in zip(picked, num_drafts):
-                if k and c.params.temperature > 0:  # greedy rows never read q
+                if k and c.params.temperature > 0 and not c.exact_drafts:  # greedy and forced rows never read q
                     probs[at : at + k] = self._draft_probs[c.request_id][:k]
                 at += k + 1
+            exact = torch.tensor([c.exact_drafts for c, k in zip(picked, num_drafts) for _ in range(k + 1)],
+                                 device=self.device)
         num_kept, tokens = verify(self.backend, rows, sampling_rows, torch.tensor(positions, device=self.device),
                                   num_drafts, torch.tensor(draft_ids, device=self.device), probs,
-                                  sampling_rows.all_greedy)
+                                  sampling_rows.all_greedy, exact)
         self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
         kept_host, tokens_host = torch.stack((num_kept, tokens)).tolist()  # the step's first device-to-host copy
         kept = {}

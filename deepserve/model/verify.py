@@ -9,6 +9,8 @@ row k (the bonus row) follows the last draft.
   drafter's q, is kept with probability min(1, p(d) / q(d)); at the first rejection the token is drawn from
   norm(max(0, p - q)); when all k are kept the bonus token is drawn from p. Each emitted token then has the
   target's distribution p (after temperature, top-k, top-p, min-p).
+- Exact rows (drafts a grammar forces, not drawn from q): kept when equal to the row's own sample, greedy or
+  seeded, so the tokens are plain decoding's, not just distributed like them.
 All randomness is counter-based, keyed on (seed, position): the acceptance coin on a salted key, the bonus and
 residual draws on the request's own key through `Backend.sample`, so a row with no drafts samples exactly as
 plain decoding does.
@@ -42,13 +44,18 @@ def coins(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
 
 
 def verify(backend: Backend, logits: Tensor, sampling: RowSampling, positions: Tensor, num_drafts: list[int],
-           draft_ids: Tensor, draft_probs: Tensor | None, all_greedy: bool = False) -> tuple[Tensor, Tensor]:
+           draft_ids: Tensor, draft_probs: Tensor | None, all_greedy: bool = False,
+           exact_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Accept or reject every sequence's drafts.
 
     `logits` [R, V] fp32 holds each sequence's 1 + k_i rows back to back (`num_drafts[i]` = k_i); `sampling`
     and `positions` (the position each row's token would take) are per row. `draft_ids` [R] holds, on row j
     of a sequence, its draft j + 1 (anything on the bonus rows); `draft_probs` [R, V] the draft distribution q
-    of that draft (None when every row is greedy: then nothing is drawn, only argmaxes are taken). Returns
+    of that draft (None when no sampled row has a drafter's draft: then every draft is checked by exact match).
+    `exact_rows` [R] bool marks the rows whose draft was not drawn from q (tokens a grammar forces): they are
+    checked like greedy rows, kept when equal to the row's own sample `Backend.sample` (greedy or seeded), the
+    token after a rejection being that sample; with q a point mass on the draft the rejection rule gives the same
+    distribution, and the exact match also gives plain decoding's very tokens. Returns
     (number of drafts kept [S], the token that follows them [S]), on the device.
     """
     device = logits.device
@@ -72,12 +79,13 @@ def verify(backend: Backend, logits: Tensor, sampling: RowSampling, positions: T
         p_d = p.gather(1, drafts[:, None])[:, 0]
         q_d = draft_probs.gather(1, drafts[:, None])[:, 0]
         u = coins(sampling.seeds, positions, ACCEPT_SALT)
-        keep = torch.where(greedy, keep, u * q_d < p_d)
+        exact = greedy if exact_rows is None else greedy | exact_rows
+        keep = torch.where(exact, keep, u * q_d < p_d)
         residual = torch.clamp(p - draft_probs, min=0.0)
         ones = torch.ones_like(sampling.temperature)
         resampled = backend.sample(torch.log(residual), ones, torch.zeros_like(sampling.top_k), ones,
                                    torch.zeros_like(sampling.min_p), sampling.seeds, positions)
-        after_reject = torch.where(greedy, plain, resampled)
+        after_reject = torch.where(exact, plain, resampled)
     # the first row of each sequence that is not a kept draft: a rejected draft's row, or the bonus row
     stop = torch.where(is_draft_row & keep, logits.shape[0], j)
     num_kept = torch.full((len(num_drafts),), logits.shape[0], device=device, dtype=torch.long)

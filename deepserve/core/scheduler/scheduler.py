@@ -47,7 +47,8 @@ class ScheduledChunk:
 
     `samples` is True when the chunk ends at the request's last token, so the runner samples a token. A token id
     `PLACEHOLDER` stands for the token the previous step samples for this request. The last `num_draft_tokens`
-    token ids are speculative drafts to verify.
+    token ids are speculative drafts to verify; `forced_drafts`: they are tokens the request's grammar forces,
+    not the drafter's (verified by exact match with the target's own sample: no draft distribution to correct).
     """
 
     request_id: str
@@ -56,6 +57,7 @@ class ScheduledChunk:
     samples: bool
     num_draft_tokens: int = 0
     relative: bool = False
+    forced_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.start < 0 or not self.token_ids:
@@ -232,6 +234,7 @@ class Scheduler:
                 running = request.status is RequestStatus.RUNNING  # else the runner drops its state and drafts
                 request.spec_token_ids = list((drafts or {}).get(chunk.request_id, ())) if running else []
                 request.spec_confidences = list((confidences or {}).get(chunk.request_id, ())) if running else []
+                request.spec_forced = False
                 request.num_draft_tokens += len((drafts or {}).get(chunk.request_id, ()))
             if request.status is RequestStatus.RUNNING:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
@@ -247,6 +250,15 @@ class Scheduler:
                 self._retire(request)
                 finished.append(request)
         return finished
+
+    def force_drafts(self, request_id: str, token_ids: list[int]) -> None:
+        """Make the tokens a request's grammar forces next its drafts, in place of the drafter's (engine, after the
+        update, when no step for the request is in flight: its next chunk is planned from these ids). They count
+        as drafts made instead of the ones they replace; their confidence is 1."""
+        request = self.requests[request_id]
+        request.num_draft_tokens += len(token_ids) - len(request.spec_token_ids)
+        request.spec_token_ids, request.spec_confidences = list(token_ids), [1.0] * len(token_ids)
+        request.spec_forced = True
 
     @staticmethod
     def _next_drafts(request: Request) -> list[int]:
@@ -364,7 +376,9 @@ class Scheduler:
         tokens += tuple(spec)
         samples = end == request.num_tokens_with_pending + len(spec)
         relative = request.num_inflight_verifies > 0  # where it starts depends on drafts not yet judged
-        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts, relative))
+        forced = num_drafts > 0 and request.spec_forced and DRAFT_PLACEHOLDER not in spec
+        plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts, relative,
+                                          forced))
         plan.cost_chunks.append((num_new, start))
         plan.budget -= num_new
         request.num_computed_tokens = end  # counted as computed from now on: the device will have done it
@@ -379,6 +393,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_confidences = [], []  # made from state the runner now drops
+        request.spec_forced = False
         request.next_drafts = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
