@@ -237,6 +237,7 @@ async def test_metrics_export_draft_counts_and_acceptance_by_position(aiohttp_cl
     verified, accepted = (value("deepserve_spec_decode_verified_tokens_total"),
                           value("deepserve_spec_decode_accepted_tokens_total"))
     assert steps > 0 and 0 < accepted <= verified <= value("deepserve_spec_decode_draft_tokens_total")
+    assert 0 <= value("deepserve_spec_decode_forced_draft_tokens_total") <= value("deepserve_spec_decode_draft_tokens_total")
     assert value("deepserve_spec_decode_accepted_tokens_per_step") == pytest.approx(accepted / steps)
     assert value("deepserve_spec_decode_verified_tokens_per_step") == pytest.approx(verified / steps)
     first = value("deepserve_spec_decode_acceptance_rate", position="1")

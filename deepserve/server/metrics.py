@@ -131,6 +131,8 @@ def _spec_decode_metrics(spec) -> Iterator[Metric]:
                                 value=value / steps if steps else 0.0)
     yield CounterMetricFamily("deepserve_spec_decode_sequence_steps", "Decoding sequence-steps (one request in "
                               "one step) while speculating", value=steps)
+    yield CounterMetricFamily("deepserve_spec_decode_forced_draft_tokens", "Draft tokens that a grammar forced "
+                              "(counted in the draft tokens too)", value=spec.num_forced_draft_tokens)
     verified, accepted = list(spec.verified_by_position), list(spec.accepted_by_position)
     by_position = CounterMetricFamily("deepserve_spec_decode_accepted_tokens_by_position",
                                       "Drafts accepted at each draft position (1 = the first draft)",
