@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from deepserve.backends.reference.sampling import (
+from deepserve.sampling import (
     compute_logprobs,
     mix64,
     row_keys,

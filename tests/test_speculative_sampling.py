@@ -90,7 +90,7 @@ def test_greedy_rows_keep_exactly_the_argmax():
 @pytest.mark.parametrize("method", ["mtp"])
 @torch.inference_mode()
 def test_engine_samples_keep_the_targets_joint_distribution(method):
-    from deepserve.backends.reference.sampling import filter_logits
+    from deepserve.sampling import filter_logits
     from deepserve.model.batch import make_batch
 
     path = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"

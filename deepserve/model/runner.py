@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.backends.reference.sampling import compute_logprobs, suppress_tokens, top_logprobs
+from deepserve.sampling import compute_logprobs, suppress_tokens, top_logprobs
 from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, ChunkInput, ModelExecutor,
                                        StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict

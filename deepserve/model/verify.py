@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepserve.backends.reference.sampling import argmax_lowest, filter_logits, row_keys, uniform_noise
+from deepserve.sampling import argmax_lowest, filter_logits, row_keys, uniform_noise
 from deepserve.core.interfaces import Backend
 
 from .speculative import RowSampling

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from deepserve.core.interfaces import Backend
 
-from .sampling import sample as _sample
+from deepserve.sampling import sample as _sample
 
 
 # CPU BLAS (and cuBLAS) pick other kernels for very few rows, which changes the rounding of those rows; padding

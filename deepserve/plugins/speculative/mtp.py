@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.backends.reference.sampling import argmax_lowest
+from deepserve.sampling import argmax_lowest
 from deepserve.model.batch import ForwardBatch, SeqChunk, make_batch
 from deepserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from deepserve.model.speculative import DraftChunk, Drafts, Proposer, RowSampling

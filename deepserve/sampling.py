@@ -1,4 +1,6 @@
-"""Token sampling and logprobs in plain PyTorch: the reference `Backend.sample` (CPU or CUDA, no host syncs).
+"""deepserve's sampling semantics in plain PyTorch (CPU or CUDA, no host syncs): the counter-based randomness, the
+logit filters, the reference `Backend.sample`, and logprobs. The model runner, the verifier of speculative drafts
+and every backend use these, so a token drawn anywhere is the token drawn everywhere.
 
 The randomness is counter-based. Row b draws its noise from a 64-bit key = mix(seed_b, position_b), and token v's
 uniform number is splitmix64's v-th output for that key, so a row's draw depends on (seed, position) and on
