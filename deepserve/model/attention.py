@@ -116,7 +116,7 @@ class Attention(nn.Module):
         in a constant number of launches: each whole ring goes into the pool as it is and the indices name its
         slots (the same keys in the same order as the general path, so the same results), the new rows go last.
         Per-sequence gathers were most of a decode step's launches."""
-        W, device = self.window, kv.device
+        device = kv.device
         lengths = torch.tensor([c.length for c in batch.chunks], device=device)
 
         def per_query(values):  # one value per chunk -> one per query, [T, 1]
@@ -133,14 +133,20 @@ class Attention(nn.Module):
                 comp_base.append(base)
                 base += rows.num_rows
         pieces.append(kv)
-        key_pos = batch.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [T, W]
-        chunk_start = per_query([c.start for c in batch.chunks])
-        new = base + per_query([c.offset for c in batch.chunks]) + key_pos - chunk_start  # this batch's rows
-        window = torch.where(key_pos < chunk_start, per_query(ring_base) + key_pos % W, new)
-        parts = [torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))]
+        parts = [self._window_indices(batch.positions, per_query([c.start for c in batch.chunks]),
+                                      per_query(ring_base), base + per_query([c.offset for c in batch.chunks]))]
         if compressed is not None:
             parts.append(torch.where(compressed >= 0, per_query(comp_base) + compressed, compressed))
         return torch.cat(pieces), torch.cat(parts, dim=1), [(c.start, None) for c in batch.chunks]
+
+    def _window_indices(self, positions, chunk_start, ring_base, new_base) -> torch.Tensor:
+        """[T, W] pool rows of each query's window keys (-1 before position 0), when the pool holds each sequence's
+        whole ring (position p at `ring_base + p % W`, for positions before its chunk) and its chunk's new rows
+        (position p at `new_base + p - chunk_start`). The last three are per query, [T, 1]."""
+        W = self.window
+        key_pos = positions[:, None] - (W - 1) + torch.arange(W, device=positions.device)[None, :]
+        window = torch.where(key_pos < chunk_start, ring_base + key_pos % W, new_base + key_pos - chunk_start)
+        return torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))
 
     def _paged_pools(self, kv, batch: ForwardBatch, states):
         """The layer pools of the paged cache when this step can index them directly (the batched decode path):
@@ -157,14 +163,12 @@ class Attention(nn.Module):
         or its chunk's new rows (copied to the scratch region), its compressed row r is `comp_base +
         table[r // rpp] * rpp + r % rpp`. The same keys in the same order as `_key_pool`, so the same results.
         Also returns the storage rows of the new tokens' ring slots, for the window write after attention."""
-        W, device, T = self.window, kv.device, kv.shape[0]
+        W, T = self.window, kv.shape[0]
         layout = paged_layout(batch, states)
         storage = pools.storage
         storage[pools.scratch_base : pools.scratch_base + T] = kv
-        key_pos = batch.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [T, W]
-        new = pools.scratch_base + layout.chunk_offset + key_pos - layout.chunk_start
-        window = torch.where(key_pos < layout.chunk_start, layout.slot * W + key_pos % W, new)
-        parts = [torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))]
+        parts = [self._window_indices(batch.positions, layout.chunk_start, layout.slot * W,
+                                      pools.scratch_base + layout.chunk_offset)]
         if compressed is not None:
             rpp, row = pools.rows_per_page, compressed.clamp(min=0)
             page = torch.gather(layout.query_tables, 1, row // rpp)
