@@ -45,14 +45,13 @@ def serve(llm, items, aborts=()):
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, params) = pending.pop(0)
             engine.add_request(f"w{i}", prompt, params)
-        if step in dict(aborts):
-            for out in engine.abort([f"w{j}" for j in dict(aborts)[step]]):
-                results[out.request_id] = out
+        for out in engine.abort([f"w{j}" for j in dict(aborts).get(step, ())]):
+            results[out.request_id] = out
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out
         step += 1
-    return [results.get(f"w{i}") for i in range(len(items))]
+    return [results[f"w{i}"] for i in range(len(items))]  # every request finishes or is aborted
 
 
 def alone(llm, items):

@@ -15,6 +15,7 @@ import torch
 import deepserve
 from deepserve import LLM, SamplingParams
 from deepserve.core.config import SpeculativeConfig
+from test_engine import serve  # requests arriving at given steps, aborts at given steps
 
 EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
 SPEC = {"method": "mtp", "num_speculative_tokens": 5}
@@ -45,23 +46,6 @@ def workload(n, seed, vocab, shared=None, max_prompt=150):
             params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=True)
         out.append((rng.randint(0, 6), prompt, params))
     return out
-
-
-def serve(llm, items, aborts=()):
-    engine = llm.engine
-    pending = sorted(enumerate(items), key=lambda x: x[1][0])
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, params) = pending.pop(0)
-            engine.add_request(f"w{i}", prompt, params)
-        for out in engine.abort([f"w{j}" for j in dict(aborts).get(step, ())]):
-            results[out.request_id] = out
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        step += 1
-    return [results[f"w{i}"] for i in range(len(items))]
 
 
 def tokens_of(outs):

@@ -284,10 +284,7 @@ class ModelRunner(ModelExecutor):
         return suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
-        blocked = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids]
-        if blocked:
-            r, t = zip(*blocked)
-            logits = suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
+        logits = self._masked(logits, chunks)
         if grammar is not None:  # `logits` is a gathered copy: masking it leaves the logprobs' logits alone
             rows, bias = grammar
             bias = bias.to(logits.dtype)
@@ -295,16 +292,9 @@ class ModelRunner(ModelExecutor):
                 logits.add_(bias)
             else:
                 logits.index_add_(0, torch.tensor(rows, device=self.device), bias)
-        p = [c.params for c in chunks]
-
-        def col(values, dtype=None):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return self.backend.sample(
-            logits, col([x.temperature for x in p]), col([x.top_k for x in p]), col([x.top_p for x in p]),
-            col([x.min_p for x in p]), col([c.seed for c in chunks], torch.long),
-            col([c.start + len(c.token_ids) for c in chunks], torch.long),
-        )
+        rs = self._row_sampling(chunks)
+        positions = torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.long, device=self.device)
+        return self.backend.sample(logits, rs.temperature, rs.top_k, rs.top_p, rs.min_p, rs.seeds, positions)
 
     def _logprobs(self, logits, tokens, chunks: list[ChunkInput], out: StepOutput) -> None:
         want = [i for i, c in enumerate(chunks) if c.params.logprobs is not None]
