@@ -47,7 +47,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     engine_kwargs = dict(dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                         enforce_eager=args.enforce_eager)
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
@@ -92,6 +93,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        "GPU --gpu-memory-utilization)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="launch every decode step's kernels one by one instead of replaying CUDA graphs")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
     serve.add_argument("--seed", type=int, default=0)

@@ -51,6 +51,10 @@ class LLM:
     `speculative_config` (vLLM's shape, `{"method": "mtp" | "dspark", "num_speculative_tokens": 5}`, a JSON
     string, or `DEEPSERVE_SPECULATIVE_CONFIG`) turns on speculative decoding with a proposer registered through
     `deepserve_register_proposers` (docs/speculative.md).
+
+    On a backend that supports it (NVIDIA with its Triton kernels), decode steps replay CUDA graphs captured per
+    batch-size bucket on first use (`deepserve.model.cuda_graphs`); `enforce_eager=True` launches every kernel
+    instead. Speculative decoding runs eagerly.
     """
 
     def __init__(
@@ -75,9 +79,11 @@ class LLM:
         grammar_compile_timeout: float = 10.0,
         grammar_compile_workers: int = 2,
         speculative_config: Any = None,
+        enforce_eager: bool = False,
     ) -> None:
         from deepserve.model.factory import load_model
         from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
+        from deepserve.model.cuda_graphs import DecodeGraphs
         from deepserve.model.runner import ModelRunner
         from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
         from deepserve.core.env import env_value
@@ -118,7 +124,11 @@ class LLM:
         spec = self.config.speculative_config
         decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else None
         detok = (lambda ids, skip: IncrementalDetokenizer(self.tokenizer, ids, skip)) if self.tokenizer else None
-        self.runner = ModelRunner(self.model, self.backend, self.cache, decode, proposer=self.proposer)
+        self.graphs = None
+        if self.backend.cuda_graphs and not enforce_eager and self.proposer is None:
+            self.graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, math.ceil(self.max_model_len / block_size))
+        self.runner = ModelRunner(self.model, self.backend, self.cache, decode, proposer=self.proposer,
+                                  graphs=self.graphs)
         grammars = self._grammar_compiler(structured_outputs_backend, grammar_compile_timeout,
                                           grammar_compile_workers)
         self.engine = EngineCore(scheduler, self.runner, page_size=block_size,

@@ -105,6 +105,19 @@ class Backend(ABC):
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
 
+    #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
+    #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented
+    cuda_graphs: bool = False
+
+    def indexer_topk_paged(
+        self, q: Tensor, weights: Tensor, pages: Tensor, tables: Tensor, key_count: Tensor, topk: int
+    ) -> Tensor:
+        """`indexer_topk` over keys kept in pages, for fixed-shape decode steps: query t's key r is
+        `pages[tables[t, r // rpp], r % rpp]` (pages [num_pages, rpp, Di], tables [T, P] int64) for r <
+        `key_count[t]`. Returns [T, topk] int64 key numbers r (not rows of `pages`), ascending, -1 unused. Its
+        shapes depend on T, P and rpp only. Optional: a backend without it decodes without fixed-shape steps."""
+        raise NotImplementedError(f"the {self.name} backend has no paged indexer (indexer_topk_paged)")
+
     @abstractmethod
     def router_scores(self, logits: Tensor) -> Tensor:
         """The MoE router's activation `sqrt(softplus(logits))`, fp32 [T, E]."""

@@ -26,9 +26,12 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str):
+    """`layer_index`: which of the cache's layer pools a fixed-shape decode step (`batch.static`) gives this
+    layer (None for layers outside the main stack, which never run such steps)."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str, layer_index: int | None = None):
         super().__init__()
-        self.backend, self.cfg, self.layer_type = backend, cfg, layer_type
+        self.backend, self.cfg, self.layer_type, self.layer_index = backend, cfg, layer_type, layer_index
         H, d = cfg.num_attention_heads, cfg.head_dim
         self.num_heads, self.head_dim, self.window = H, d, cfg.sliding_window
         self.scale = d**-0.5
@@ -59,12 +62,19 @@ class Attention(nn.Module):
         q = b.apply_rope(q, batch.positions, self.inv_freq)
         kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq)
 
-        compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
-        pools = self._paged_pools(kv, batch, states)
+        static = batch.static
+        if static is not None:  # a fixed-shape decode step: everything from device tensors, no host state
+            pools, layout = static.layers[self.layer_index], static.layout
+            compressed = self.compressor.forward_static(x, qr, batch, pools) if self.compressor is not None else None
+        else:
+            compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
+            pools = self._paged_pools(kv, batch, states)
+            layout = paged_layout(batch, states) if pools is not None else None
         if pools is not None:  # the batched zero-copy decode path
-            pool, indices, ring_rows = self._paged_key_pool(kv, batch, states, compressed, pools)
+            pool, indices, ring_rows = self._paged_key_pool(kv, batch, layout, compressed, pools)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
-            self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
+            if static is None:  # a static step's snapshots are taken after it, from the written rings
+                self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
             pool.index_put_((ring_rows,), kv)  # every sequence's window-ring write in one scatter
         else:
             pool, indices, windows = self._key_pool(kv, batch, states, compressed)
@@ -157,14 +167,13 @@ class Attention(nn.Module):
             return None
         return pools
 
-    def _paged_key_pool(self, kv, batch: ForwardBatch, states, compressed, pools):
+    def _paged_key_pool(self, kv, batch: ForwardBatch, layout, compressed, pools):
         """`_key_pool` over the paged storage itself, with no copy of rings or rows and a fixed number of
         device ops: a query's window keys are ring rows `slot * W + position % W` (positions before its chunk)
         or its chunk's new rows (copied to the scratch region), its compressed row r is `comp_base +
         table[r // rpp] * rpp + r % rpp`. The same keys in the same order as `_key_pool`, so the same results.
         Also returns the storage rows of the new tokens' ring slots, for the window write after attention."""
         W, T = self.window, kv.shape[0]
-        layout = paged_layout(batch, states)
         storage = pools.storage
         storage[pools.scratch_base : pools.scratch_base + T] = kv
         parts = [self._window_indices(batch.positions, layout.chunk_start, layout.slot * W,

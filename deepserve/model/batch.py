@@ -33,13 +33,15 @@ class ForwardBatch:
     """Token ids and positions [T] of all new tokens, the chunk layout, and which rows need logits.
 
     `memo` holds what every layer of one forward derives from the batch alone (the `PagedLayout`), built by the
-    first layer that needs it."""
+    first layer that needs it. `static` marks a fixed-shape decode step (`StaticDecode`): no host-side chunks, one
+    token per row, everything the layers need as device tensors."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     chunks: tuple[SeqChunk, ...]
     logits_indices: torch.Tensor
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    static: StaticDecode | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -152,3 +154,18 @@ def _block_table(st: AttentionState) -> list[int]:
 
 
 _NO_TABLE: list[int] = []  # window-only layers: one shared empty table, so their layout is memoised too
+
+
+@dataclass(frozen=True, slots=True)
+class StaticDecode:
+    """A decode step whose shapes depend only on its bucket (rows, table width), not on the sequences in it, so
+    that a CUDA graph can replay it (`deepserve.model.cuda_graphs`): one new token per row, the rows' slots,
+    positions and padded block tables as device tensors (`layout`, one query per row), and the cache's
+    `layers` pools (`kv_cache._LayerPools`, one per main layer). Padding rows use the cache's padding slot;
+    table entries past a sequence's pages, and every write a row does not want (a compressed block that did not
+    close), go to `trash_page`. The host keeps the row counts (`PagedRows.num_rows`) itself."""
+
+    layers: Sequence
+    layout: PagedLayout
+    pad_slot: int
+    trash_page: int

@@ -147,6 +147,39 @@ class _Pooler(nn.Module):
         rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
         pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
 
+    def emit_static(self, kv, gate, positions, layout, pools, pad_slot: int, trash_page: int) -> None:
+        """`_emit_single_tokens` for a fixed-shape decode step (`StaticDecode`): one token per row, whether it
+        closes its block read from its position on the device. Every row pools its block; a row whose block
+        did not close writes its frontier, overlap half and row where no sequence reads them (the padding slot,
+        the trash page), so the step's launches and shapes never depend on the rows. The same arithmetic row by
+        row as `_emit_single_tokens`, so the same bits where a block closes."""
+        m, d = self.ratio, self.dim
+        slot, tables = layout.slot[:, 0], layout.tables
+        held = positions % m
+        closing = held == m - 1
+        first = positions // m  # the row a closing block becomes
+        open_slot = torch.where(closing, pad_slot, slot)
+        pools.open_kv.index_put_((open_slot, held), kv)
+        pools.open_gate.index_put_((open_slot, held), gate)
+        rpp = pools.rows.shape[1]
+        page = tables.gather(1, (first // rpp).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
+        page = torch.where(closing, page, trash_page)
+        block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[:, None]), dim=1)  # [B, m, width]
+        block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[:, None]), dim=1)
+        if self.overlap:
+            has_prev = (first > 0)[:, None, None]
+            prev_kv = torch.where(has_prev, pools.prev_kv[slot], 0.0)
+            prev_gate = torch.where(has_prev, pools.prev_gate[slot], float("-inf"))
+            prev_slot = torch.where(closing, slot, pad_slot)
+            pools.prev_kv.index_put_((prev_slot,), block_kv[..., :d])
+            pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
+            block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
+            block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
+        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
+        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
+        rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
+        pools.rows.index_put_((page, first % rpp), rows.to(pools.rows.dtype))
+
     def _emit_chunks(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
         """`emit` for chunks of any length up to a window (speculative verify, with or without a journal), all
         together: each chunk's frontier (open block from the pool, then its new rows) is gathered into one padded
@@ -257,6 +290,16 @@ class Indexer(_Pooler):
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)
 
 
+    def select_static(self, x, qr, positions, tables, pages) -> torch.Tensor:
+        """`select` for a fixed-shape decode step: the keys are read through the padded block tables (every
+        query sees the table's full width, its own count masking the rest), so nothing depends on the row
+        counts the host keeps."""
+        q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
+        q = self.backend.apply_rope(q, positions, self.inv_freq)
+        weights = self.scorer.weights_proj(x).float() * self.weight_scale
+        key_count = (positions + 1) // self.ratio
+        return self.backend.indexer_topk_paged(q, weights, pages, tables, key_count, self.topk)
+
     @staticmethod
     def _gather_keys(pool, layout, counts: list[int], starts: list[int], device) -> torch.Tensor:
         """Rows [0, counts[i]) of every sequence i, concatenated, gathered from the page pool [pages, rpp, dim]
@@ -293,8 +336,25 @@ class Compressor(_Pooler):
             layout = paged_layout(batch, states) if layer_pools is not None else None
             return self.indexer.select(x, qr, batch, [st.indexer for st in states], layout)
         # HCA: every emitted row that the query may see (the widest from the host's chunk ends: no device sync)
-        visible = (batch.positions + 1) // self.ratio
-        width = max((c.end // self.ratio for c in batch.chunks), default=0)
-        offs = torch.arange(width, device=x.device)
+        return self._visible_rows(batch.positions, max((c.end // self.ratio for c in batch.chunks), default=0))
+
+    def forward_static(self, x, qr, batch: ForwardBatch, pools) -> torch.Tensor:
+        """`forward` for a fixed-shape decode step (`batch.static`) over the layer's pools: the same rows emitted
+        and the same rows returned per query, with shapes set by the batch's bucket alone (HCA: the table's full
+        width of rows, -1 past each query's own)."""
+        static = batch.static
+        layout, positions = static.layout, batch.positions
+        kv, gate = self.project(x, positions)
+        self.emit_static(kv, gate, positions, layout, pools.compressor, static.pad_slot, static.trash_page)
+        if self.indexer is not None:
+            ikv, igate = self.indexer.project(x, positions)
+            self.indexer.emit_static(ikv, igate, positions, layout, pools.indexer, static.pad_slot, static.trash_page)
+            return self.indexer.select_static(x, qr, positions, layout.tables, pools.indexer.rows)
+        return self._visible_rows(positions, layout.tables.shape[1] * pools.rows_per_page)
+
+    def _visible_rows(self, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """[T, width]: column j holds j where the query at that position may see compressed row j, else -1."""
+        visible = (positions + 1) // self.ratio
+        offs = torch.arange(width, device=positions.device)
         return torch.where(offs[None, :] < visible[:, None], offs[None, :], torch.full_like(offs, -1)[None, :])
 

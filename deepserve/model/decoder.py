@@ -17,10 +17,10 @@ from .state import AttentionState, LayerStateSpec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str, mlp_type: str):
+    def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str, mlp_type: str, index: int | None = None):
         super().__init__()
         self.backend, self.eps = backend, cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, backend, layer_type)
+        self.self_attn = Attention(cfg, backend, layer_type, index)
         self.mlp = MoE(cfg, backend, mlp_type)
         self.input_layernorm = NormWeight(cfg.hidden_size)
         self.post_attention_layernorm = NormWeight(cfg.hidden_size)

@@ -43,7 +43,7 @@ class DeepseekV4Body(nn.Module):
         self.cfg, self.backend = cfg, backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, lt, mt) for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types)
+            DecoderLayer(cfg, backend, lt, mt, i) for i, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types))
         )
         self.norm = NormWeight(cfg.hidden_size)
         self.hc_head = HyperHead(cfg, backend)
@@ -97,7 +97,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
         """Run the new tokens of every sequence, update their states in place, return logits for
         `batch.logits_indices`."""
-        check_states(batch, states)
+        if batch.static is None:  # a static (fixed-shape decode) step gets no states: its caller keeps them
+            check_states(batch, states)
         streams = self.model(batch, states)
         hidden = self.model.final_hidden(streams[batch.logits_indices])
         for chunk, state in zip(batch.chunks, states):

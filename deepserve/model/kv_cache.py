@@ -14,6 +14,11 @@ blocks are empty at a page boundary because the page size is a multiple of every
 
 With speculative decoding (`with_mtp`), the MTP blocks' window rings get slots and page snapshots the same way
 (they are window-only layers), so a prefix hit restores the drafter's state too.
+
+Beyond the `num_slots` slots and `num_pages` pages it hands out, the cache keeps one *padding slot* and one
+*trash page*: a fixed-shape decode step (`deepserve.model.cuda_graphs`) runs its padding rows on the padding slot
+and sends every write it does not want (a block that did not close, a table entry past a sequence's pages) to
+the trash page, so no real row is touched.
 """
 
 from __future__ import annotations
@@ -166,9 +171,10 @@ class PagedKVCache:
         dtype = dtype or model.lm_head.weight.dtype
         device = device or model.lm_head.weight.device
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
+        self.pad_slot, self.trash_page = num_slots, num_pages  # one of each past the ones handed out
         scratch = 16 * num_slots if max_step_tokens is None else max_step_tokens
-        self.layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device, scratch) for s in main]
-        self.mtp_layers = [_LayerPools(s, num_pages, page_size, num_slots, dtype, device, scratch)
+        self.layers = [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch) for s in main]
+        self.mtp_layers = [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch)
                            for s in (mtp if with_mtp else [])]
         self._free_slots = list(range(num_slots - 1, -1, -1))
         logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,

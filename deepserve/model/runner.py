@@ -28,6 +28,7 @@ from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, 
 from deepserve.core.outputs import make_logprob_dict
 
 from .batch import make_batch
+from .cuda_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .kv_cache import PagedKVCache
 from .speculative import DraftChunk, Proposer, RowSampling, SequenceUndo
@@ -44,11 +45,16 @@ class _Seq:
 
 class ModelRunner(ModelExecutor):
     def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, cache: PagedKVCache, decode=None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None) -> None:
+        """`graphs`: run the decode steps it supports as static forwards (CUDA graphs); not with a proposer,
+        whose steps verify several tokens per sequence and need the drafter's inputs."""
+        if graphs is not None and proposer is not None:
+            raise ValueError("decode graphs and a speculative proposer do not combine (the graphs decode one token per step)")
         self.model, self.backend, self.cache = model, backend, cache
         self.device = torch.device(backend.device)
         self.decode = decode  # token id -> text, for Logprob.decoded_token
         self.proposer = proposer
+        self.graphs = graphs
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
         self._draft_probs: dict[str, torch.Tensor] = {}  # q [k, V] of each request's pending drafts
@@ -84,7 +90,10 @@ class ModelRunner(ModelExecutor):
         batch = self._fill_placeholders(batch, chunks)
         undo = {i: SequenceUndo(states[i], c.start, len(c.token_ids)) for i, c in enumerate(chunks)
                 if c.num_draft_tokens}
-        forward = self.model(batch, states)
+        if self.graphs is not None and self.graphs.supports(batch, states):
+            forward = self.graphs.forward(batch, states)
+        else:
+            forward = self.model(batch, states)
         logits = forward.logits
         last_rows = [sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))]
         ends = torch.tensor(last_rows, device=self.device)

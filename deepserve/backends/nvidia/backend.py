@@ -75,6 +75,7 @@ class NvidiaBackend(ReferenceBackend):
             else:
                 self.kernels = SimpleNamespace(attention=attention, elementwise=elementwise, indexer=indexer, mhc=mhc,
                                                moe=moe)
+                self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
 
     def __repr__(self) -> str:
         major, minor = self.compute_capability
@@ -141,6 +142,12 @@ class NvidiaBackend(ReferenceBackend):
         if self.kernels is None or not q.is_cuda or d & (d - 1):
             return super().sparse_attention(q, kv, indices, sinks, scale)
         return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale)
+
+    def indexer_topk_paged(self, q, weights, pages, tables, key_count, topk):
+        di = q.shape[-1]
+        if self.kernels is None or not q.is_cuda or di & (di - 1):
+            return super().indexer_topk_paged(q, weights, pages, tables, key_count, topk)
+        return self.kernels.indexer.indexer_topk_paged(q, weights, pages, tables, key_count, topk)
 
     def indexer_topk(self, q, weights, keys, key_start, key_count, topk):
         di = q.shape[-1]

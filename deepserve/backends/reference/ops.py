@@ -168,6 +168,16 @@ class ReferenceBackend(Backend):
         out[:, : chosen.shape[1]] = chosen
         return out
 
+    def indexer_topk_paged(self, q, weights, pages, tables, key_count, topk):
+        # every table's rows gathered, then the flat op: the same scores and the same choice as over the
+        # sequence's own rows (the extra keys are past every count)
+        T, P = tables.shape
+        width = P * pages.shape[1]
+        keys = pages[tables].reshape(T * width, pages.shape[-1])
+        start = torch.arange(T, device=q.device) * width
+        chosen = self.indexer_topk(q, weights, keys, start, key_count, topk)
+        return torch.where(chosen >= 0, chosen - start[:, None], chosen)
+
     # -- MoE ---------------------------------------------------------------------------------------------------
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
         out = torch.zeros_like(x, dtype=torch.float32)

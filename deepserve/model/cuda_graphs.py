@@ -1,0 +1,192 @@
+"""CUDA graphs for decode steps: the whole forward of a decode batch replayed with one launch.
+
+A decode step over the paged cache is a fixed sequence of ~1,000 kernels whose shapes depend only on how many
+rows it has and how wide its block tables are; launching them one by one from Python costs far more host time
+than the GPU spends on them (bench/gpu.py). So a step runs as a *static* forward (`ForwardBatch.static`): its
+rows' tokens, positions, slots and padded block tables sit in fixed device buffers, every per-row decision (does
+this token close a compressed block? which keys can it see?) is made on the device, and the writes a row does not
+want go to the cache's padding slot or trash page. Such a forward is captured once per bucket (rows padded up to
+the next batch size in `batch_buckets`, tables to the next page count in `page_buckets`) and replayed: a step
+copies its inputs into the bucket's buffers, replays, and does on the host what the graph cannot: advance each
+sequence's row counts and token count, and (when a token ends a page) save the page's prefix-hit snapshot from
+the rings the step wrote.
+
+With `capture=False` the same static forward runs eagerly: on the reference backend it gives the same bits as
+the ordinary paged decode path (tests/test_cuda_graphs.py), which is how the static path is checked without a
+GPU. Graph outputs are valid until the next replay of any bucket (the graphs share one memory pool).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .batch import ForwardBatch, PagedLayout, StaticDecode
+from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
+from .kv_cache import PagedKVCache
+from .state import SequenceState
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then steps of about 1.5x (12, 16, 24, 32, 48, ...), up to `max_batch`."""
+    sizes, n = [1, 2, 4, 8], 8
+    while n < max_batch:
+        n = n * 3 // 2 if n & (n - 1) == 0 else n // 3 * 4
+        sizes.append(n)
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+def page_buckets(max_pages: int) -> list[int]:
+    """Padded block-table widths: powers of two up to `max_pages`, and `max_pages` itself."""
+    sizes, n = [], 1
+    while n < max_pages:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max(max_pages, 1)]
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One bucket's input buffers, its static batch and (when captured) its graph and the outputs it writes."""
+
+    meta: torch.Tensor  # [rows, 2 + pages] int64: position, slot, block table (padded with the trash page)
+    tokens: torch.Tensor  # [rows] int64
+    batch: ForwardBatch
+    graph: torch.cuda.CUDAGraph | None = None
+    output: ForwardOutput | None = None
+
+
+class DecodeGraphs:
+    """Decode steps of `model` over `cache` as static forwards, captured as CUDA graphs per bucket.
+
+    `max_batch`: the most sequences a step holds (the engine's `max_num_seqs`); `max_pages`: the longest block
+    table (the model length over the page size). `capture`: record and replay CUDA graphs (default: when the
+    cache is on a CUDA device and the backend declares `cuda_graphs`); False runs the static forward eagerly.
+    """
+
+    def __init__(self, model: DeepseekV4ForCausalLM, cache: PagedKVCache, max_batch: int, max_pages: int,
+                 capture: bool | None = None) -> None:
+        self.model, self.cache = model, cache
+        self.device = cache.layers[0].storage.device if cache.layers else model.lm_head.weight.device
+        if capture is None:
+            capture = self.device.type == "cuda" and model.backend.cuda_graphs
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
+        self.capture = capture
+        self.batch_buckets = batch_buckets(min(max_batch, cache.num_slots))
+        self.page_buckets = page_buckets(max_pages)
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = None  # the graphs' shared memory pool, made at the first capture
+        main, _ = model.state_specs()
+        # (layer, stream attribute, ratio) of every compressed stream: the row counts the host advances
+        self._streams = [(i, name, s.ratio) for i, spec in enumerate(main)
+                         for name, s in (("compressor", spec.compressor), ("indexer", spec.indexer)) if s is not None]
+        self.capture_seconds = 0.0
+
+    def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
+        """Whether this step can run as a static forward: one new token per sequence, every sequence paged in
+        this cache and not journaling a speculative pass, at most `max_batch` sequences, tables that fit."""
+        if not batch.chunks or len(batch.chunks) > self.batch_buckets[-1] or not self.cache.layers:
+            return False
+        if any(c.length != 1 for c in batch.chunks):
+            return False
+        pools = self.cache.layers[0]
+        first = self._streams[0] if self._streams else None
+        for st in states:
+            if st.layers[0].pools is not pools:
+                return False
+            if first is not None:
+                comp = getattr(st.layers[first[0]], first[1])
+                if comp.journal is not None or len(comp.rows.table) > self.page_buckets[-1]:
+                    return False
+        return True
+
+    def forward(self, batch: ForwardBatch, states: list[SequenceState]) -> ForwardOutput:
+        """Run a step `supports` accepted: logits [B, V] (and the last layer's streams) for its B sequences,
+        with every state advanced as the ordinary forward would."""
+        B, chunks = len(states), batch.chunks
+        tables = [getattr(st.layers[self._streams[0][0]], self._streams[0][1]).rows.table if self._streams else []
+                  for st in states]
+        P = self.page_buckets[bisect.bisect_left(self.page_buckets, max(map(len, tables), default=1) or 1)]
+        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, B)]
+        page_size = self.cache.page_size
+        for c, table in zip(chunks, tables):
+            if self._streams and c.end > len(table) * page_size:
+                raise RuntimeError(f"block table holds {len(table)} pages, too few for position {c.start}")
+        bucket = self._buckets.get((rows, P)) or self._make_bucket(rows, P)
+        pad = [0, self.cache.pad_slot] + [self.cache.trash_page] * P
+        meta = [[c.start, st.layers[0].slot] + t + [self.cache.trash_page] * (P - len(t))
+                for c, st, t in zip(chunks, states, tables)] + [pad] * (rows - B)
+        bucket.meta.copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        bucket.tokens[:B].copy_(batch.token_ids)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            output = bucket.output
+        else:
+            output = self.model(bucket.batch, [])
+        for c, st in zip(chunks, states):  # what the graph leaves to the host: the row and token counts
+            for layer, name, ratio in self._streams:
+                getattr(st.layers[layer], name).rows.num_rows = c.end // ratio
+            st.num_tokens = c.end
+        self._snapshots(chunks, states)
+        return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
+
+    def _snapshots(self, chunks, states) -> None:
+        """The prefix-hit snapshots of the pages that this step's tokens ended, as `Attention._snapshot_windows`
+        and the compressors take them, but from the state after the step: the window rows of [end - W, end) are
+        the ring as written, the CSA overlap halves are the streams' `prev` rows."""
+        snaps = [(st.layers[0].slot, c.end, page) for c, st in zip(chunks, states) for _, page in c.snapshots]
+        if not snaps:
+            return
+        slot, end, page = torch.tensor(snaps, dtype=torch.long, device=self.device).unbind(1)
+        for pools in self.cache.layers:
+            W = pools.spec.window
+            positions = end[:, None] - W + torch.arange(W, device=self.device)[None, :]
+            pools.snap_window[page] = pools.storage[slot[:, None] * W + positions % W]
+            for stream in (pools.compressor, pools.indexer):
+                if stream is not None and stream.spec.overlap:
+                    stream.snap_kv[page] = stream.prev_kv[slot]
+                    stream.snap_gate[page] = stream.prev_gate[slot]
+
+    def _make_bucket(self, rows: int, pages: int) -> _Bucket:
+        cache, device = self.cache, self.device
+        meta = torch.zeros((rows, 2 + pages), dtype=torch.long, device=device)
+        meta[:, 1] = cache.pad_slot
+        meta[:, 2:] = cache.trash_page
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        arange = torch.arange(rows, device=device)
+        layout = PagedLayout(slot=meta[:, 1:2], chunk_start=meta[:, 0:1], chunk_offset=arange[:, None],
+                             tables=meta[:, 2:], query_tables=meta[:, 2:])
+        static = StaticDecode(cache.layers, layout, cache.pad_slot, cache.trash_page)
+        batch = ForwardBatch(token_ids=tokens, positions=meta[:, 0], chunks=(), logits_indices=arange, static=static)
+        bucket = self._buckets[(rows, pages)] = _Bucket(meta, tokens, batch)
+        if self.capture:
+            began = time.perf_counter()
+            self._capture(bucket)
+            self.capture_seconds += time.perf_counter() - began
+            logger.info("captured the decode graph for %d rows, %d pages (%.2f s)", rows, pages,
+                        time.perf_counter() - began)
+        return bucket
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm up on the padding rows (compiles and tunes the kernels for these shapes: nothing may compile
+        inside a capture), then record the static forward."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model(bucket.batch, [])
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bucket.output = self.model(bucket.batch, [])
+        bucket.graph = graph

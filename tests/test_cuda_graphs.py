@@ -1,0 +1,168 @@
+"""The static decode forward that CUDA graphs capture (`deepserve.model.cuda_graphs`), run eagerly on the CPU
+reference backend: it gives the ordinary paged decode path's bits (logits and every row a sequence owns) over
+random decode batches that cross compression, window and page boundaries (page snapshots included), in every
+batch and page bucket, with padding rows that touch nothing real. Through the engine, outputs are token for
+token those of the eager runner. Capture and replay themselves are checked on the GPU (tests/gpu/)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepserve.backends.reference import ReferenceBackend
+from deepserve.model.batch import make_batch
+from deepserve.model.cuda_graphs import DecodeGraphs, batch_buckets, page_buckets
+from deepserve.model.factory import load_model
+from deepserve.model.kv_cache import PagedKVCache
+
+PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo-graphs"), seed=5)
+    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
+
+
+def test_buckets():
+    assert batch_buckets(256) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert batch_buckets(20) == [1, 2, 4, 8, 12, 16, 20]
+    assert batch_buckets(1) == [1]
+    assert page_buckets(1) == [1] and page_buckets(5) == [1, 2, 4, 5] and page_buckets(8) == [1, 2, 4, 8]
+
+
+def _owned_equal(a: PagedKVCache, b: PagedKVCache) -> None:
+    """Every tensor row a sequence can own equal in both caches (the padding slot and trash page excluded)."""
+    S, P = a.num_slots, a.num_pages
+    for x, y in zip(a.layers, b.layers):
+        W = x.spec.window
+        assert torch.equal(x.window[:S], y.window[:S])
+        assert torch.equal(x.snap_window[:P], y.snap_window[:P])
+        assert torch.equal(x.storage[x.comp_base : x.comp_base + P * x.rows_per_page],
+                           y.storage[y.comp_base : y.comp_base + P * y.rows_per_page]) if x.rows_per_page else True
+        assert x.window.shape[1] == W
+        for sx, sy in ((x.compressor, y.compressor), (x.indexer, y.indexer)):
+            if sx is None:
+                continue
+            assert torch.equal(sx.rows[:P], sy.rows[:P])
+            for name in ("open_kv", "open_gate", "prev_kv", "prev_gate"):
+                tx, ty = getattr(sx, name), getattr(sy, name)
+                assert torch.equal(tx[:S], ty[:S]), name
+            for name in ("snap_kv", "snap_gate"):
+                tx, ty = getattr(sx, name), getattr(sy, name)
+                assert torch.equal(tx[:P], ty[:P]), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@torch.inference_mode()
+def test_static_decode_equals_paged_decode(model, seed):
+    rng = random.Random(seed)
+    num_slots, num_pages = 12, 80
+    caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
+    graphs = DecodeGraphs(model, caches[1], max_batch=num_slots, max_pages=6, capture=False)
+    assert not graphs.capture
+    seqs, next_page = [], 0
+    for i in range(num_slots):  # prompts that end just before compression and page boundaries, or anywhere
+        n = rng.choice([1, 3, 15, 16, 62, 63, 64, rng.randrange(1, 200)])
+        table = []
+        while len(table) * PAGE < n + 40:
+            table.append(next_page)
+            next_page += 1
+        prompt = [rng.randrange(2, 258) for _ in range(n)]
+        states = []
+        for cache in caches:
+            st = cache.new_sequence(table)[0]
+            model(make_batch([prompt], [0], "cpu", snapshots=[_snaps(table, 0, n)]), [st])
+            states.append(st)
+        seqs.append((table, states))
+    used_buckets = set()
+    for step in range(40):
+        which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))  # random subsets, random order
+        tokens = [rng.randrange(2, 258) for _ in which]
+        logits = []
+        for k, cache in enumerate(caches):
+            states = [seqs[i][1][k] for i in which]
+            starts = [st.num_tokens for st in states]
+            batch = make_batch([[t] for t in tokens], starts, "cpu",
+                               snapshots=[_snaps(seqs[i][0], s, 1) for i, s in zip(which, starts)])
+            if k == 0:
+                logits.append(model(batch, states).logits)
+            else:
+                assert graphs.supports(batch, states)
+                logits.append(graphs.forward(batch, states).logits)
+        assert torch.equal(logits[0], logits[1]), f"step {step}"
+        for _, (a, b) in seqs:
+            assert a.num_tokens == b.num_tokens
+            for la, lb in zip(a.layers, b.layers):
+                for ca, cb in ((la.compressor, lb.compressor), (la.indexer, lb.indexer)):
+                    if ca is not None:
+                        assert ca.rows.num_rows == cb.rows.num_rows
+        used_buckets.update(graphs._buckets)
+    _owned_equal(*caches)
+    assert len({rows for rows, _ in used_buckets}) >= 4  # several batch buckets, padded rows among them
+    crossed = sum(st.num_tokens // PAGE for _, (st, _) in seqs)
+    assert crossed > 0
+
+
+def _snaps(table, start, n):
+    return [(b, table[b // PAGE - 1]) for b in range((start // PAGE + 1) * PAGE, start + n + 1, PAGE)]
+
+
+@torch.inference_mode()
+def test_static_decode_declines_what_it_cannot_run(model):
+    cache = PagedKVCache(model, 8, PAGE, 3)
+    graphs = DecodeGraphs(model, cache, max_batch=2, max_pages=2, capture=False)
+    tables = [[0, 1], [2, 3], [4, 5, 6]]
+    states = [cache.new_sequence(t)[0] for t in tables]
+    for st in states:
+        model(make_batch([[5, 6, 7]], [0], "cpu"), [st])
+    assert graphs.supports(make_batch([[1], [2]], [3, 3], "cpu"), states[:2])
+    assert not graphs.supports(make_batch([[1, 2], [2]], [3, 3], "cpu"), states[:2])  # a verify-length chunk
+    assert not graphs.supports(make_batch([[1], [2], [3]], [3, 3, 3], "cpu"), states)  # past max_batch
+    assert not graphs.supports(make_batch([[1]], [3], "cpu"), states[2:])  # a table past max_pages
+    contiguous = model.make_state()
+    model(make_batch([[5, 6, 7]], [0], "cpu"), [contiguous])
+    assert not graphs.supports(make_batch([[1]], [3], "cpu"), [contiguous])  # not in this cache
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphs(model, cache, max_batch=2, max_pages=2, capture=True)
+
+
+@torch.inference_mode()
+def test_static_decode_refuses_a_step_past_its_pages(model):
+    cache = PagedKVCache(model, 8, PAGE, 2)
+    graphs = DecodeGraphs(model, cache, max_batch=2, max_pages=2, capture=False)
+    st = cache.new_sequence([0])[0]
+    model(make_batch([list(range(2, 2 + PAGE))], [0], "cpu"), [st])  # the page is full
+    batch = make_batch([[9]], [PAGE], "cpu")
+    with pytest.raises(RuntimeError, match="too few"):
+        graphs.forward(batch, [st])
+    assert st.num_tokens == PAGE
+
+
+def test_engine_outputs_equal_with_static_decode(tmp_path):
+    from deepserve import LLM, SamplingParams
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    path = build_demo_checkpoint(tmp_path / "m", seed=2)
+    prompts = [[5, 6, 7, 8], list(range(10, 110)), [9] * 33, list(range(10, 110))]
+    params = [SamplingParams(max_tokens=70, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, seed=4),
+              SamplingParams(max_tokens=55, temperature=1.0, top_k=20, seed=9), SamplingParams(max_tokens=3)]
+    outs = []
+    for static in (False, True):
+        llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_seqs=4, block_size=128,
+                  load_plugins=False)
+        assert llm.graphs is None  # the reference backend does not declare CUDA graphs
+        if static:
+            llm.runner.graphs = DecodeGraphs(llm.model, llm.cache, 4, 4, capture=False)
+            calls = []
+            forward = llm.runner.graphs.forward
+            llm.runner.graphs.forward = lambda b, s: calls.append(len(s)) or forward(b, s)
+        outs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        if static:
+            assert len(calls) > 50  # the decode steps went through it
+        assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
+    assert outs[0] == outs[1]
