@@ -10,8 +10,10 @@
    the first three layers hash-routed as in V4): random bf16 weights drawn on the GPU, written with deepserve's
    writer, loaded by transformers' `DeepseekV4ForCausalLM` from that directory.
 3. transformers: prefill tok/s (one sequence) and decode ms/step (batch B, every sequence at the same context).
-4. deepserve (`NvidiaBackend`, model forward over per-sequence state, the runner's one device-to-host copy of the
-   sampled ids per step): the same, at more sizes; a profile of one decode step (GPU-busy time vs wall time).
+4. deepserve (`NvidiaBackend`, model forward over the engine's paged cache, the runner's one device-to-host copy
+   of the sampled ids per step): the same, at more sizes; decode both replaying CUDA graphs (`DecodeGraphs`, the
+   engine's default) and launching every kernel (eager, `--enforce-eager` in the server), each over its own
+   prefilled cache; a profile of one eager decode step (GPU-busy time vs wall time).
 5. MBU = bytes a decode step must read (every non-expert weight incl. the LM head, the shared expert, the routed
    experts the batch touches in expectation under uniform routing, each sequence's KV rows) / step time /
    measured copy bandwidth. MFU = model FLOPs / time / measured matrix rate.
@@ -258,6 +260,7 @@ def prefill_states(model, device, prompts, group: int, extra_tokens: int = 64, p
     batched zero-copy decode path), or self-contained contiguous states with `paged=False`."""
     from deepserve.model.batch import make_batch
 
+    cache = None
     if paged:
         from deepserve.model.kv_cache import PagedKVCache
 
@@ -270,19 +273,21 @@ def prefill_states(model, device, prompts, group: int, extra_tokens: int = 64, p
     for i in range(0, len(prompts), group):
         part = prompts[i : i + group]
         model(make_batch(part, [0] * len(part), device), states[i : i + group])
-    return states
+    return states, cache
 
 
 @torch.no_grad()
-def decode_steps(model, device, states, tokens, start: int):
-    """One decode step per row of `tokens` [steps][B]; returns median-free mean seconds per step."""
+def decode_steps(model, device, states, tokens, start: int, graphs=None):
+    """One decode step per row of `tokens` [steps][B] (through `graphs`, a `DecodeGraphs`, when given); returns
+    the mean seconds per step."""
     from deepserve.model.batch import make_batch
 
     B = len(states)
+    forward = graphs.forward if graphs is not None else model
     sync(device)
     t0 = time.perf_counter()
     for i, row in enumerate(tokens):
-        logits = model(make_batch([[t] for t in row], [start + i] * B, device), states).logits
+        logits = forward(make_batch([[t] for t in row], [start + i] * B, device), states).logits
         logits.argmax(-1).tolist()  # the runner's one device-to-host copy
     sync(device)
     return (time.perf_counter() - t0) / len(tokens)
@@ -353,13 +358,13 @@ def host_profile(model, device, states, row, start) -> list[dict]:
 
 @torch.no_grad()
 def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps, vocab, long_context,
-                    paged: bool = True) -> dict:
+                    paged: bool = True, graphs: bool = True) -> dict:
     from deepserve.model.batch import make_batch
 
     g = torch.Generator().manual_seed(2)
-    out = {"prefill": {}, "decode": {}, "profile": {}}
+    out = {"prefill": {}, "decode": {}, "decode_graphs": {}, "profile": {}}
     # warm-up: compiles the Triton kernels for prefill- and decode-sized tiles
-    st = prefill_states(model, device, [torch.randint(2, vocab, (context,), generator=g).tolist()] * 2, group=2)
+    st, _ = prefill_states(model, device, [torch.randint(2, vocab, (context,), generator=g).tolist()] * 2, group=2)
     decode_steps(model, device, st, [[5, 6]] * 2, context)
     del st
     for n in prefill_lens:
@@ -381,12 +386,26 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
     for b in decode_batches:
         for ctx in sorted({context, long_context if b in (1, 64) else context}):
             prompts = [torch.randint(2, vocab, (ctx,), generator=g).tolist() for _ in range(b)]
-            states = prefill_states(model, device, prompts, group=max(1, 16384 // ctx), extra_tokens=steps + 8,
-                                    paged=paged)
+            states, cache = prefill_states(model, device, prompts, group=max(1, 16384 // ctx),
+                                           extra_tokens=steps + 8, paged=paged)
             toks = torch.randint(2, vocab, (steps + 3, b), generator=g).tolist()
+            key = f"{b}@{ctx}"
+            if graphs and cache is not None:  # (on a CPU: the static forward, eagerly)
+                from deepserve.model.cuda_graphs import DecodeGraphs
+
+                # the graphs decode a second cache prefilled with the same prompts; the eager rows the first
+                twin_states, twin = prefill_states(model, device, prompts, group=max(1, 16384 // ctx),
+                                                   extra_tokens=steps + 8)
+                dg = DecodeGraphs(model, twin, max_batch=b, max_pages=-(-(ctx + steps + 8) // PAGE_SIZE))
+                decode_steps(model, device, twin_states, toks[:2], ctx, dg)  # captures this bucket
+                s = decode_steps(model, device, twin_states, toks[2:-1], ctx + 2, dg)
+                out["decode_graphs"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s,
+                                             "capture_seconds": dg.capture_seconds}
+                print(f"  deepserve decode (CUDA graphs) batch {b} context {ctx}: {out['decode_graphs'][key]}",
+                      flush=True)
+                del twin, twin_states, dg
             decode_steps(model, device, states, toks[:2], ctx)
             s = decode_steps(model, device, states, toks[2:-1], ctx + 2)
-            key = f"{b}@{ctx}"
             out["decode"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s}
             print(f"  deepserve decode batch {b} context {ctx}: {out['decode'][key]}", flush=True)
             if b in (1, 64) and torch.device(device).type == "cuda":
@@ -409,13 +428,14 @@ def report(res: dict) -> str:
     lines = [f"checkpoint: {wb['parameters'] / 1e9:.2f}B parameters, {wb['total_bytes'] / 2**30:.2f} GiB",
              f"floors: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s" if bw else "floors: -",
              "", f"{'decode':<26}{'ms/step':>10}{'tok/s':>10}{'GiB read':>10}{'floor ms':>10}{'MBU':>8}{'busy MBU':>10}"]
-    for who in ("transformers", "deepserve"):
-        for key, d in res.get(who, {}).get("decode", {}).items():
+    for who, kind, label in (("transformers", "decode", "transformers"), ("deepserve", "decode", "deepserve eager"),
+                             ("deepserve", "decode_graphs", "deepserve graphs")):
+        for key, d in res.get(who, {}).get(kind, {}).items():
             need = d["bytes"]
             floor = need / bw if bw else float("nan")
-            prof = res.get(who, {}).get("profile", {}).get(key)
+            prof = res.get(who, {}).get("profile", {}).get(key) if kind == "decode" else None
             busy = f"{floor / prof['gpu_busy_seconds']:.1%}" if prof and bw else "-"
-            lines.append(f"{who + ' b' + str(d['batch']) + ' ctx' + str(d['context']):<26}{d['ms_per_step']:>10.2f}"
+            lines.append(f"{label + ' b' + str(d['batch']) + ' ctx' + str(d['context']):<26}{d['ms_per_step']:>10.2f}"
                          f"{d['tok_s']:>10.0f}{need / 2**30:>10.2f}{1e3 * floor:>10.2f}{floor / (d['ms_per_step'] / 1e3):>8.1%}{busy:>10}")
     lines += ["", f"{'prefill':<26}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}"]
     for who in ("transformers", "deepserve"):
@@ -434,11 +454,15 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for who, color in (("transformers", "#999"), ("deepserve", "#2a6")):
-        dec = {d["batch"]: d for d in res.get(who, {}).get("decode", {}).values() if d["context"] == res["context"]}
+    for who, kind, label, color in (("transformers", "decode", "transformers", "#999"),
+                                    ("deepserve", "decode", "deepserve eager", "#8c8"),
+                                    ("deepserve", "decode_graphs", "deepserve CUDA graphs", "#2a6")):
+        dec = {d["batch"]: d for d in res.get(who, {}).get(kind, {}).values() if d["context"] == res["context"]}
         if dec:
             xs = sorted(dec)
-            a.plot(xs, [dec[x]["tok_s"] for x in xs], "o-", color=color, label=who)
+            a.plot(xs, [dec[x]["tok_s"] for x in xs], "o-", color=color, label=label)
+        if kind == "decode_graphs":
+            continue
         pre = {int(n): d for n, d in res.get(who, {}).get("prefill", {}).items() if "tok_s" in d}
         if pre:
             xs = sorted(pre)
@@ -472,6 +496,7 @@ def main() -> None:
     ap.add_argument("--contiguous", action="store_true",
                     help="decode over self-contained per-sequence states instead of the paged cache the engine uses")
     ap.add_argument("--decode-only", action="store_true", help="skip deepserve's prefill rows")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph decode rows")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -522,10 +547,11 @@ def main() -> None:
     res["deepserve_state"] = "contiguous" if args.contiguous else "paged"
     res["deepserve"] = bench_deepserve(model, device, [] if args.decode_only else ds_prefill, ds_batches,
                                        args.context, args.steps, cfg["vocab_size"], args.long_context,
-                                       paged=not args.contiguous)
+                                       paged=not args.contiguous, graphs=not args.no_graphs)
 
     for who in ("transformers", "deepserve"):
-        for key, d in res.get(who, {}).get("decode", {}).items():
+        for key, d in list(res.get(who, {}).get("decode", {}).items()) + \
+                list(res.get(who, {}).get("decode_graphs", {}).items()):
             d["bytes"] = decode_bytes(model, wb, d["batch"], d["context"])
         for n, d in res.get(who, {}).get("prefill", {}).items():
             d["flops"] = prefill_flops(model, wb, int(n))

@@ -105,6 +105,12 @@ class Backend(ABC):
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
 
+    def head_logits(self, x: Tensor, weight: Tensor) -> Tensor | None:
+        """The LM head `x @ weight.T` as fp32 [T, V] straight from a low-precision `weight` (bf16/fp16) and `x`,
+        with fp32 accumulation: the same products as upcasting both. None (the default) when the backend cannot;
+        the model then multiplies in fp32 with an upcast copy of the head that it keeps."""
+        return None
+
     #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
     #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented
     cuda_graphs: bool = False

@@ -28,6 +28,15 @@ def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.T
     return torch.mm(flat, fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
 
 
+def _mm_out_fp32_works(device: str) -> bool:
+    """Whether `torch.mm(bf16, bf16, out_dtype=torch.float32)` runs here (torch >= 2.8 on CUDA)."""
+    try:
+        a = torch.ones((2, 8), dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 class NvidiaBackend(ReferenceBackend):
     """Backend for NVIDIA GPUs (Hopper H100/H200 and Blackwell).
 
@@ -66,6 +75,7 @@ class NvidiaBackend(ReferenceBackend):
         self.device_name: str = torch.cuda.get_device_name(index)
         self.compute_capability: tuple[int, int] = torch.cuda.get_device_capability(index)
         self.fast = fast
+        self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
         if fast and triton_available():
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
@@ -87,6 +97,15 @@ class NvidiaBackend(ReferenceBackend):
         if not self.fast:
             return super().linear(x, weight)
         return F.linear(x, weight)
+
+    def head_logits(self, x, weight):
+        """fp32 logits from bf16/fp16 operands as they are: cuBLAS multiplies them with fp32 accumulation and
+        fp32 output (the products of the operands' values, as the fp32 reference computes them), reading the
+        LM head at half the bytes of an fp32 copy. None when this torch or GPU cannot (the model then keeps
+        an fp32 copy of the head)."""
+        if not self._mixed_head or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+            return None  # (an fp32 x would be rounded: the fp32 copy keeps its precision)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
 
     def grouped_linear(self, x, weight):
         if not self.fast:
