@@ -79,21 +79,23 @@ def timed(fn, device, repeats=5, warmup=1) -> float:
     return statistics.median(times)
 
 
+def events(fn, repeats=10, warmup=3) -> float:
+    """Median GPU seconds of `fn()` between two CUDA events (no host time in it)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
 # -- 1. the ceilings ----------------------------------------------------------------------------------------------
 def measure_floors(device) -> dict:
-    def events(fn, repeats=10, warmup=3):
-        for _ in range(warmup):
-            fn()
-        out = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(out)
-
     n = 4 << 30  # 4 GiB each way, far past the 60 MB L2
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -333,7 +335,7 @@ def kernel_profile(fn) -> dict:
     rows = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
-    return {"gpu_busy_seconds": sum(r[1] for r in rows),
+    return {"gpu_busy_seconds": sum(r[1] for r in rows), "num_kernels": sum(r[2] for r in rows),
             "top": [{"kernel": k[:90], "seconds": s, "count": c} for k, s, c in rows[:25]]}
 
 
@@ -401,6 +403,16 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
                 s = decode_steps(model, device, twin_states, toks[2:-1], ctx + 2, dg)
                 out["decode_graphs"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s,
                                              "capture_seconds": dg.capture_seconds}
+                if torch.device(device).type == "cuda":  # the replay alone: GPU time, and its kernels
+                    graph = next(iter(dg._buckets.values())).graph
+                    kp = kernel_profile(graph.replay)
+                    out["decode_graphs"][key].update(
+                        replay_ms=1e3 * events(graph.replay, repeats=20), graph_kernels=kp["num_kernels"],
+                        graph_busy_ms=1e3 * kp["gpu_busy_seconds"], graph_top=kp["top"][:15])
+                    print(f"    replay {out['decode_graphs'][key]['replay_ms']:.3f} ms GPU, {kp['num_kernels']} kernels,"
+                          f" busy {1e3 * kp['gpu_busy_seconds']:.3f} ms", flush=True)
+                    for k in kp["top"][:15]:
+                        print(f"      {1e3 * k['seconds']:7.3f} ms {k['count']:6d}x {k['kernel'][:70]}")
                 print(f"  deepserve decode (CUDA graphs) batch {b} context {ctx}: {out['decode_graphs'][key]}",
                       flush=True)
                 del twin, twin_states, dg

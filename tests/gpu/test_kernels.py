@@ -112,7 +112,6 @@ def check_moe(device, T, D, I, E, top_k, seed=0) -> float:
 
 def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, float]:
     """Relative errors of hc_pre's (collapsed, post, comb) and of hc_post."""
-    from deepserve.backends.nvidia.backend import _hc_mix
     from deepserve.backends.nvidia.triton_ops.mhc import hc_post, hc_pre
 
     g = gen(device, seed)
@@ -121,8 +120,8 @@ def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, fl
     base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
     scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
     ref_b = ReferenceBackend(device)
-    x, post, comb = hc_pre(streams, _hc_mix(streams, fn, 1e-6), base, scale, iters, 1e-6,
-                           out=poisoned((T, D), torch.bfloat16, device))
+    mix = torch.mm(streams.flatten(1).float(), fn.t())
+    x, post, comb = hc_pre(streams, mix, base, scale, iters, 1e-6, 1e-6, out=poisoned((T, D), torch.bfloat16, device))
     rx, rpost, rcomb = ref_b.hc_pre(streams.float(), fn, base, scale, iters, 1e-6, 1e-6)
     y = randn((T, D), g, device)
     new = hc_post(streams, y, post, comb, out=poisoned(streams.shape, torch.bfloat16, device))
@@ -204,6 +203,23 @@ def test_rope(inverse):
     err = check_rope(CUDA, 300, 64, 512, rope_dim=64, max_pos=32768, inverse=inverse)
     print(f"rope inverse={inverse}: rel err {err:.2e}")
     assert err < BF16_TOL
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_fp32_at_long_positions(inverse):
+    """fp32 rows at positions up to 1M: the kernel's angles and libdevice cos/sin against torch's."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
+
+    g = gen(CUDA, 1)
+    x = torch.randn((257, 8, 512), generator=g, device=CUDA)
+    positions = torch.randint(0, 2**20, (257,), generator=g, device=CUDA)
+    positions[:2] = torch.tensor([0, 2**20 - 1])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=CUDA).float() / 64))
+    out = apply_rope(x, positions[::1], inv_freq, inverse, out=poisoned(x.shape, torch.float32, CUDA))
+    ref = ReferenceBackend(CUDA).apply_rope(x, positions, inv_freq, inverse)
+    assert rel_err(out, ref) < 1e-6
+    strided = torch.stack((positions, positions), dim=1)[:, 0]  # a column view, as the static decode step passes
+    assert torch.equal(apply_rope(x, strided, inv_freq, inverse), out)
 
 
 def test_backend_uses_kernels():

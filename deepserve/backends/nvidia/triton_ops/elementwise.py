@@ -1,10 +1,12 @@
-"""RMSNorm and interleaved RoPE, one launch each (the reference takes 6 and ~15 small launches)."""
+"""RMSNorm and interleaved RoPE, one launch each (the reference takes 6 and ~15 small launches); RoPE forms
+its angles and their cosines inside the kernel."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -36,8 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, d, half, stride_xt, stride_xm, stride_ot, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, stride_pos, stride_xt, stride_xm, stride_ot, stride_om,
+                 INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
@@ -50,8 +52,13 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, d, half, stride_xt, stride
         tl.store(dst + c[None, :], tl.load(src + c[None, :], mask=ok, other=0.0), mask=ok)
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < half
-    cos = tl.load(cos_ptr + t * half + i, mask=i_ok, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + t * half + i, mask=i_ok, other=0.0)[None, :]
+    # the angle as torch forms it (fp32 position times fp32 frequency), then libdevice's cosf/sinf, which reduce
+    # large angles exactly as torch's CUDA cos/sin do (the approximate instructions do not)
+    angle = tl.load(pos_ptr + t * stride_pos).to(tl.float32) * tl.load(freq_ptr + i, mask=i_ok, other=0.0)
+    cos = libdevice.cos(angle)[None, :]
+    sin = libdevice.sin(angle)[None, :]
+    if INVERSE:
+        sin = -sin
     ok = m_ok[:, None] & i_ok[None, :]
     even = tl.load(src + nope + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
     odd = tl.load(src + nope + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
@@ -72,14 +79,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     M = x3.shape[1]
     if T == 0 or M == 0:
         return out
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]  # torch's cos/sin reduce large angles exactly
-    cos, sin = torch.cos(angles), torch.sin(angles)
-    if inverse:
-        sin = -sin
     block_m = min(16, triton.next_power_of_2(M))
+    freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
     _rope_kernel[(T, triton.cdiv(M, block_m))](
-        x3, cos, sin, o3, M, d, half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-        BLOCK_M=block_m, BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
+        x3, positions, freq, o3, M, d, half, positions.stride(0), x3.stride(0), x3.stride(1), o3.stride(0),
+        o3.stride(1), INVERSE=inverse, BLOCK_M=block_m, BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4,
     )
     return out

@@ -11,7 +11,7 @@ import triton.language as tl
 @triton.jit
 def _hc_pre_kernel(
     mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-    D, iters, hc_eps,
+    D, iters, hc_eps, norm_eps,
     stride_mt, stride_st, stride_sn, stride_xt,
     N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -19,13 +19,21 @@ def _hc_pre_kernel(
     j = tl.arange(0, N)
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, N)[None, :]
+    # the RMS norm of the flattened streams, a per-token scalar applied to the (unnormed) mix
+    squares = tl.zeros((BLOCK_D,), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
+        xs = xs.to(tl.float32)
+        squares += tl.sum(xs * xs, axis=0)
+    r = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + norm_eps)
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
     mix = mix_ptr + t * stride_mt
-    pre = tl.sigmoid(tl.load(mix + j) * s_pre + tl.load(base_ptr + j)) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.load(mix + N + j) * s_post + tl.load(base_ptr + N + j))
-    logits = tl.load(mix + 2 * N + rows * N + cols) * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
+    pre = tl.sigmoid(tl.load(mix + j) * r * s_pre + tl.load(base_ptr + j)) + hc_eps
+    post = 2.0 * tl.sigmoid(tl.load(mix + N + j) * r * s_post + tl.load(base_ptr + N + j))
+    logits = tl.load(mix + 2 * N + rows * N + cols) * r * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
     comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
@@ -62,9 +70,9 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-def hc_pre(streams, mix, base, scale, iters, hc_eps, out=None):
-    """streams [T, n, D], mix [T, (2 + n) * n] fp32 (the RMS-normed streams through `fn`) -> the op's
-    (collapsed [T, D], post [T, n], comb [T, n, n])."""
+def hc_pre(streams, mix, base, scale, iters, hc_eps, norm_eps, out=None):
+    """streams [T, n, D], mix [T, (2 + n) * n] fp32 (the flattened streams through `fn`, not yet divided by their
+    RMS, which the kernel computes) -> the op's (collapsed [T, D], post [T, n], comb [T, n, n])."""
     T, n, D = streams.shape
     streams, mix = streams.contiguous(), mix.float().contiguous()
     x = torch.empty((T, D), dtype=streams.dtype, device=streams.device) if out is None else out
@@ -73,7 +81,7 @@ def hc_pre(streams, mix, base, scale, iters, hc_eps, out=None):
     if T:
         _hc_pre_kernel[(T,)](
             mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
-            D, int(iters), float(hc_eps),
+            D, int(iters), float(hc_eps), float(norm_eps),
             mix.stride(0), streams.stride(0), streams.stride(1), x.stride(0),
             N=n, BLOCK_D=1024, num_warps=4,
         )
