@@ -111,6 +111,33 @@ class Backend(ABC):
         the model then multiplies in fp32 with an upcast copy of the head that it keeps."""
         return None
 
+    def compress_decode(
+        self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
+        open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,
+        norm_weight: Tensor, inv_freq: Tensor, eps: float,
+    ) -> bool:
+        """Optional fused op: one decode token per row into one compressed stream, in place. Row b's token (at
+        `positions[b]`, in slot `slot[b]`, block table `tables[b]`) has raw projections `kv[b]`, `gate[b]`
+        ([B, F]); its gate gets `position_bias[position % ratio]`. A token that does not close its block is
+        stored in `open_kv/open_gate[slot, position % ratio]`; one that closes it pools the block (with
+        `prev_kv/prev_gate`, the previous block's Ca halves, when given: CSA overlap) by a per-channel softmax over
+        the slots, RMS-norms it with `norm_weight`, rotates it at the block's first position with `inv_freq`,
+        writes it to `rows[page, row % rpp]` and (overlap) leaves this block's Ca halves in `prev_*`. Exactly
+        `deepserve.model.compressor._Pooler.emit_static`'s effect. Returns False (the default: nothing done) when
+        the backend has no kernel for it; the model then runs its own torch ops."""
+        return False
+
+    def paged_key_rows(
+        self, positions: Tensor, chunk_start: Tensor, chunk_offset: Tensor, slot: Tensor, tables: Tensor,
+        compressed: Tensor | None, window: int, rows_per_page: int, comp_base: int, scratch_base: int,
+    ) -> Tensor | None:
+        """Optional fused op: the storage rows each query of a decode or verify step attends to, [T, W + K] int64
+        (`deepserve.model.attention.Attention._paged_key_pool`): its W window keys (position p before its chunk
+        at `slot * W + p % W`, its chunk's rows at `scratch_base + chunk_offset + p - chunk_start`, -1 before 0),
+        then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
+        rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""
+        return None
+
     #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
     #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented
     cuda_graphs: bool = False

@@ -176,13 +176,18 @@ class Attention(nn.Module):
         W, T = self.window, kv.shape[0]
         storage = pools.storage
         storage[pools.scratch_base : pools.scratch_base + T] = kv
+        ring_rows = layout.slot[:, 0] * W + batch.positions % W
+        rows = self.backend.paged_key_rows(batch.positions, layout.chunk_start, layout.chunk_offset, layout.slot,
+                                           layout.query_tables, compressed, W, pools.rows_per_page, pools.comp_base,
+                                           pools.scratch_base)
+        if rows is not None:  # the backend's one-launch kernel
+            return storage, rows, ring_rows
         parts = [self._window_indices(batch.positions, layout.chunk_start, layout.slot * W,
                                       pools.scratch_base + layout.chunk_offset)]
         if compressed is not None:
             rpp, row = pools.rows_per_page, compressed.clamp(min=0)
             page = torch.gather(layout.query_tables, 1, row // rpp)
             parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
-        ring_rows = layout.slot[:, 0] * W + batch.positions % W
         return storage, torch.cat(parts, dim=1), ring_rows
 
     def _snapshot_windows(self, batch: ForwardBatch, states, pools) -> None:

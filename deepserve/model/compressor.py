@@ -37,9 +37,11 @@ class _Pooler(nn.Module):
         return StreamSpec(self.ratio, self.dim, self.overlap)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_proj(x).float()
-        gate = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
-        return kv, gate
+        return self._biased(self.kv_proj(x), self.gate_proj(x), positions)
+
+    def _biased(self, kv, gate, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 projections, the gate with the position bias of each token's slot in its block."""
+        return kv.float(), gate.float() + self.position_bias[positions % self.ratio]
 
     def emit(self, kv: torch.Tensor, gate: torch.Tensor, chunk: SeqChunk, state: CompressorState) -> None:
         """Add one chunk's projections to the frontier and append a row for every block it closes."""
@@ -147,14 +149,22 @@ class _Pooler(nn.Module):
         rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
         pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
 
-    def emit_static(self, kv, gate, positions, layout, pools, pad_slot: int, trash_page: int) -> None:
+    def emit_static(self, x, positions, layout, pools, pad_slot: int, trash_page: int) -> None:
         """`_emit_single_tokens` for a fixed-shape decode step (`StaticDecode`): one token per row, whether it
-        closes its block read from its position on the device. Every row pools its block; a row whose block
-        did not close writes its frontier, overlap half and row where no sequence reads them (the padding slot,
-        the trash page), so the step's launches and shapes never depend on the rows. The same arithmetic row by
-        row as `_emit_single_tokens`, so the same bits where a block closes."""
+        closes its block read from its position on the device. A backend's fused kernel does it in one launch
+        (`Backend.compress_decode`); else every row pools its block and a row whose block did not close writes
+        its frontier, overlap half and row where no sequence reads them (the padding slot, the trash page), so
+        the step's launches and shapes never depend on the rows. The same arithmetic row by row as
+        `_emit_single_tokens`, so the same bits where a block closes."""
         m, d = self.ratio, self.dim
         slot, tables = layout.slot[:, 0], layout.tables
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if self.backend.compress_decode(kv, gate, self.position_bias, positions, slot, tables, pools.open_kv,
+                                        pools.open_gate, pools.prev_kv if self.overlap else None,
+                                        pools.prev_gate if self.overlap else None, pools.rows, self.kv_norm.weight,
+                                        self.inv_freq, self.eps):
+            return
+        kv, gate = self._biased(kv, gate, positions)
         held = positions % m
         closing = held == m - 1
         first = positions // m  # the row a closing block becomes
@@ -344,11 +354,9 @@ class Compressor(_Pooler):
         width of rows, -1 past each query's own)."""
         static = batch.static
         layout, positions = static.layout, batch.positions
-        kv, gate = self.project(x, positions)
-        self.emit_static(kv, gate, positions, layout, pools.compressor, static.pad_slot, static.trash_page)
+        self.emit_static(x, positions, layout, pools.compressor, static.pad_slot, static.trash_page)
         if self.indexer is not None:
-            ikv, igate = self.indexer.project(x, positions)
-            self.indexer.emit_static(ikv, igate, positions, layout, pools.indexer, static.pad_slot, static.trash_page)
+            self.indexer.emit_static(x, positions, layout, pools.indexer, static.pad_slot, static.trash_page)
             return self.indexer.select_static(x, qr, positions, layout.tables, pools.indexer.rows)
         return self._visible_rows(positions, layout.tables.shape[1] * pools.rows_per_page)
 

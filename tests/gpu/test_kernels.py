@@ -152,6 +152,85 @@ def check_rope(device, T, H, d, rope_dim, max_pos, inverse, seed=0) -> float:
     return rel_err(out, ref)
 
 
+def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, seed=0, dtype=torch.float32) -> float:
+    """The fused `compress_decode` kernel against the model's torch ops (`_Pooler.emit_static` on the reference
+    backend) over `steps` decode steps of B sequences at random positions (blocks closing and not, block 0 and
+    later): every frontier, overlap and row tensor, relative error, NaN-poisoned rows that only the closing
+    writes may fill."""
+    from types import SimpleNamespace
+
+    from deepserve.backends.nvidia.triton_ops.decode import compress_decode
+    from deepserve.core.config import ModelConfig
+    from deepserve.model.compressor import _Pooler
+    from deepserve.tools.demo_checkpoint import DEMO_CONFIG
+
+    g = gen(device, seed)
+    cfg = ModelConfig.from_dict({**DEMO_CONFIG, "vocab_size": 300, "hidden_size": 64})
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    pooler = _Pooler(cfg, ReferenceBackend(device), ratio, D, overlap, inv_freq).to(device)
+    with torch.no_grad():
+        for t in pooler.parameters():
+            t.copy_(torch.randn(t.shape, generator=g, device=device) * 0.5)
+    F = 2 * D if overlap else D
+    slots, pages, rpp, P = B + 1, 4 * B + 1, 64 // ratio if ratio < 64 else 2, 3
+    f32 = dict(dtype=torch.float32, device=device)
+    state = dict(open_kv=torch.randn((slots, ratio, F), generator=g, **f32),
+                 open_gate=torch.randn((slots, ratio, F), generator=g, **f32),
+                 prev_kv=torch.randn((slots, ratio, D), generator=g, **f32) if overlap else None,
+                 prev_gate=torch.randn((slots, ratio, D), generator=g, **f32) if overlap else None,
+                 rows=torch.full((pages, rpp, D), float("nan"), dtype=dtype, device=device))
+    mine = {k: v.clone() if v is not None else None for k, v in state.items()}
+    tables = torch.randperm(pages - 1, generator=torch.Generator().manual_seed(seed))[: B * P].view(B, P).to(device)
+    slot = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    positions = torch.randint(0, P * rpp * ratio - steps, (B,), generator=g, device=device)
+    positions[0] = ratio - 1  # block 0 closes: no previous block
+    for _ in range(steps):
+        x = torch.randn((B, 64), generator=g, device=device)
+        layout = SimpleNamespace(slot=slot[:, None], tables=tables)
+        pools = SimpleNamespace(**state)
+        pooler.emit_static(x, positions, layout, pools, pad_slot=B, trash_page=pages - 1)
+        kv, gate = pooler.kv_proj(x), pooler.gate_proj(x)
+        compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, mine["open_kv"], mine["open_gate"],
+                        mine["prev_kv"], mine["prev_gate"], mine["rows"], pooler.kv_norm.weight, inv_freq, pooler.eps)
+        positions = positions + 1
+    worst = 0.0
+    for k in state:
+        if state[k] is None:
+            continue
+        a, b = mine[k][:B].float(), state[k][:B].float()  # the padding slot / trash page: the reference's alone
+        if k == "rows":
+            a, b = mine[k][: pages - 1].float(), state[k][: pages - 1].float()
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), "rows written differ"
+            a, b = a.nan_to_num(), b.nan_to_num()
+        worst = max(worst, rel_err(a, b) if b.norm() > 0 else float((a - b).abs().max()))
+    return worst
+
+
+def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
+    """The `paged_key_rows` kernel equals the torch index arithmetic of `Attention._paged_key_pool`, exactly."""
+    from deepserve.backends.nvidia.triton_ops.decode import paged_key_rows
+
+    g = gen(device, seed)
+    positions = torch.randint(0, 5000, (T,), generator=g, device=device)
+    positions[:2] = torch.tensor([0, W - 3])
+    length = torch.randint(1, 4, (T,), generator=g, device=device)
+    start = (positions - torch.randint(0, 3, (T,), generator=g, device=device)).clamp(min=0)[:, None]
+    offset = torch.randint(0, 50, (T,), generator=g, device=device)[:, None]
+    slot = torch.randint(0, 30, (T,), generator=g, device=device)[:, None]
+    tables = torch.randint(0, 100, (T, 8), generator=g, device=device)
+    compressed = torch.randint(-1, 8 * rpp, (T, K), generator=g, device=device) if K else None
+    got = paged_key_rows(positions, start, offset, slot, tables, compressed, W, rpp, 1000, 9000)
+    key_pos = positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]
+    window = torch.where(key_pos < start, slot * W + key_pos % W, 9000 + offset + key_pos - start)
+    expect = torch.where(key_pos >= 0, window, -1)
+    if K:
+        row = compressed.clamp(min=0)
+        page = torch.gather(tables, 1, row // rpp)
+        expect = torch.cat((expect, torch.where(compressed >= 0, 1000 + page * rpp + row % rpp, -1)), dim=1)
+    del length
+    assert torch.equal(got, expect)
+
+
 # -- the tests, at V4-Flash shapes ------------------------------------------------------------------------------------
 CUDA = "cuda"
 
@@ -203,6 +282,19 @@ def test_rope(inverse):
     err = check_rope(CUDA, 300, 64, 512, rope_dim=64, max_pos=32768, inverse=inverse)
     print(f"rope inverse={inverse}: rel err {err:.2e}")
     assert err < BF16_TOL
+
+
+@pytest.mark.parametrize("ratio,D,overlap", [(4, 512, True), (4, 128, True), (128, 512, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_decode(ratio, D, overlap, dtype):
+    err = check_compress_decode(CUDA, 64, ratio, D, overlap, dtype=dtype)
+    print(f"compress_decode ratio {ratio} D {D} {dtype}: rel err {err:.2e}")
+    assert err < (1e-5 if dtype == torch.float32 else BF16_TOL)
+
+
+@pytest.mark.parametrize("K", [0, 512, 32])
+def test_paged_key_rows(K):
+    check_paged_key_rows(CUDA, 300, 128, K, 64)
 
 
 @pytest.mark.parametrize("inverse", [False, True])

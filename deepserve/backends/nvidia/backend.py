@@ -79,12 +79,12 @@ class NvidiaBackend(ReferenceBackend):
         self.kernels = None
         if fast and triton_available():
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
-                from .triton_ops import attention, elementwise, indexer, mhc, moe
+                from .triton_ops import attention, decode, elementwise, indexer, mhc, moe
             except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
                 logger.warning("triton is installed but its kernels do not import (%s): running without them", e)
             else:
-                self.kernels = SimpleNamespace(attention=attention, elementwise=elementwise, indexer=indexer, mhc=mhc,
-                                               moe=moe)
+                self.kernels = SimpleNamespace(attention=attention, decode=decode, elementwise=elementwise,
+                                               indexer=indexer, mhc=mhc, moe=moe)
                 self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
 
     def __repr__(self) -> str:
@@ -162,6 +162,22 @@ class NvidiaBackend(ReferenceBackend):
         if self.kernels is None or not q.is_cuda or d & (d - 1):
             return super().sparse_attention(q, kv, indices, sinks, scale)
         return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale)
+
+    def compress_decode(self, kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv,
+                        prev_gate, rows, norm_weight, inv_freq, eps):
+        D = rows.shape[-1]
+        if self.kernels is None or not kv.is_cuda or D & (D - 1):
+            return False
+        self.kernels.decode.compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, open_gate,
+                                            prev_kv, prev_gate, rows, norm_weight, inv_freq, eps)
+        return True
+
+    def paged_key_rows(self, positions, chunk_start, chunk_offset, slot, tables, compressed, window, rows_per_page,
+                       comp_base, scratch_base):
+        if self.kernels is None or not positions.is_cuda:
+            return None
+        return self.kernels.decode.paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compressed,
+                                                  window, rows_per_page, comp_base, scratch_base)
 
     def indexer_topk_paged(self, q, weights, pages, tables, key_count, topk):
         di = q.shape[-1]

@@ -1,0 +1,168 @@
+"""Two kernels for the decode step over the paged cache, each replacing a few dozen small torch launches.
+
+`compress_decode`: one program per row (one decode token) of one compressed stream (CSA or HCA main KV, or the
+indexer's keys). It adds the position bias to the token's gate; a token that does not close its block writes its
+projections into the slot's open block and stops; a token that closes it pools the block (CSA: the previous
+block's Ca halves, then this block's Cb halves, 2 x ratio slots; HCA: ratio slots) with a per-channel softmax over
+the slots kept online, RMS-norms and rotates the row at its block's first position, writes it into its page, and
+(CSA) keeps the block's Ca halves as the next overlap state. The model's torch ops do the same
+(`_Pooler.emit_static`); this is one launch instead of ~40.
+
+`paged_key_rows`: the storage rows every decode or verify query attends to (`Attention._paged_key_pool`): its
+window keys (older positions from its slot's ring, its chunk's new rows from the scratch region, -1 before
+position 0), then its compressed rows through its block table. One launch instead of ~25.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _online_update(mx, den, acc, g, k):
+    """Fold a tile of slots (gates g and values k, [slots, D]) into the running per-channel softmax."""
+    new_mx = tl.maximum(mx, tl.max(g, axis=0))
+    alpha = tl.where(new_mx == float("-inf"), 0.0, tl.exp(mx - new_mx))
+    p = tl.where(g == float("-inf"), 0.0, tl.exp(g - new_mx[None, :]))
+    return new_mx, den * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p * k, axis=0)
+
+
+@triton.jit
+def _compress_decode_kernel(
+    kv_ptr, gate_ptr, bias_ptr, pos_ptr, slot_ptr, table_ptr,
+    open_kv_ptr, open_gate_ptr, prev_kv_ptr, prev_gate_ptr, rows_ptr, norm_ptr, freq_ptr,
+    eps, stride_kv, stride_gate, stride_pos, stride_slot, stride_table,
+    M: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, RPP: tl.constexpr, NOPE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    F: tl.constexpr = 2 * D if OVERLAP else D
+    b = tl.program_id(0)
+    pos = tl.load(pos_ptr + b * stride_pos)
+    slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
+    held = pos % M
+    first = pos // M
+    c = tl.arange(0, D)
+    frontier_kv = open_kv_ptr + slot * (M * F)
+    frontier_gate = open_gate_ptr + slot * (M * F)
+    if held != M - 1:  # the block stays open: keep the token's projections (gate with its position bias)
+        for h in tl.static_range(F // D):
+            k = tl.load(kv_ptr + b * stride_kv + h * D + c).to(tl.float32)
+            g = tl.load(gate_ptr + b * stride_gate + h * D + c).to(tl.float32) + tl.load(bias_ptr + held * F + h * D + c)
+            tl.store(frontier_kv + held * F + h * D + c, k)
+            tl.store(frontier_gate + held * F + h * D + c, g)
+        return
+    mx = tl.full((D,), float("-inf"), tl.float32)
+    den = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    s = tl.arange(0, BLOCK_S)
+    col = 0
+    if OVERLAP:
+        col = D  # this block contributes its Cb halves; the previous one its Ca halves
+        if first > 0:
+            for s0 in range(0, M, BLOCK_S):
+                at = slot * (M * D) + (s0 + s)[:, None] * D + c[None, :]
+                ok = (s0 + s)[:, None] < M
+                mx, den, acc = _online_update(mx, den, acc, tl.load(prev_gate_ptr + at, mask=ok, other=float("-inf")),
+                                              tl.load(prev_kv_ptr + at, mask=ok, other=0.0))
+    for s0 in range(0, M - 1, BLOCK_S):  # the block's earlier tokens, from the open block
+        at = (s0 + s)[:, None] * F + col + c[None, :]
+        ok = (s0 + s)[:, None] < M - 1
+        mx, den, acc = _online_update(mx, den, acc, tl.load(frontier_gate + at, mask=ok, other=float("-inf")),
+                                      tl.load(frontier_kv + at, mask=ok, other=0.0))
+    own_k = tl.load(kv_ptr + b * stride_kv + col + c).to(tl.float32)
+    own_g = tl.load(gate_ptr + b * stride_gate + col + c).to(tl.float32) + tl.load(bias_ptr + (M - 1) * F + col + c)
+    mx, den, acc = _online_update(mx, den, acc, own_g[None, :], own_k[None, :])
+    pooled = acc / den
+    if OVERLAP:  # the next block pools this one's Ca halves: the open block's rows, then this token's
+        tl.debug_barrier()  # every read of the old overlap rows is done
+        own_ca_k = tl.load(kv_ptr + b * stride_kv + c).to(tl.float32)
+        own_ca_g = tl.load(gate_ptr + b * stride_gate + c).to(tl.float32) + tl.load(bias_ptr + (M - 1) * F + c)
+        for s0 in range(0, M, BLOCK_S):
+            r = (s0 + s)[:, None]
+            from_open = r < M - 1
+            k = tl.load(frontier_kv + r * F + c[None, :], mask=from_open, other=0.0)
+            g = tl.load(frontier_gate + r * F + c[None, :], mask=from_open, other=0.0)
+            k = tl.where(from_open, k, own_ca_k[None, :])
+            g = tl.where(from_open, g, own_ca_g[None, :])
+            at = slot * (M * D) + r * D + c[None, :]
+            tl.store(prev_kv_ptr + at, k, mask=r < M)
+            tl.store(prev_gate_ptr + at, g, mask=r < M)
+    y = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps) * tl.load(norm_ptr + c).to(tl.float32)
+    even, odd = tl.split(tl.reshape(y, (D // 2, 2)))  # interleaved pairs; the last D - NOPE dims rotate
+    i = tl.arange(0, D // 2) - NOPE // 2
+    rotate = i >= 0
+    angle = (first * M).to(tl.float32) * tl.load(freq_ptr + tl.where(rotate, i, 0), mask=rotate, other=0.0)
+    cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+    even, odd = tl.where(rotate, even * cos - odd * sin, even), tl.where(rotate, odd * cos + even * sin, odd)
+    out = tl.reshape(tl.join(even, odd), (D,))
+    page = tl.load(table_ptr + b * stride_table + first // RPP).to(tl.int64)
+    tl.store(rows_ptr + (page * RPP + first % RPP) * D + c, out.to(rows_ptr.dtype.element_ty))
+
+
+def compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv, prev_gate,
+                    rows, norm_weight, inv_freq, eps) -> None:
+    """The backend op `compress_decode` (see `Backend.compress_decode`): kv/gate [B, F] raw projections,
+    position_bias [ratio, F] fp32, positions/slot [B] (any stride), tables [B, P], open_kv/open_gate
+    [slots, ratio, F] fp32, prev_kv/prev_gate [slots, ratio, D] fp32 or None, rows [pages, rpp, D], norm_weight [D],
+    inv_freq [rope dims / 2]."""
+    B, F = kv.shape
+    ratio, D = open_kv.shape[1], rows.shape[-1]
+    overlap = prev_kv is not None
+    if B == 0:
+        return
+    for t in (open_kv, open_gate, position_bias, rows) + ((prev_kv, prev_gate) if overlap else ()):
+        if not t.is_contiguous():
+            raise ValueError("compress_decode needs contiguous frontier, bias and row tensors")
+    freq = inv_freq.float().contiguous()
+    _compress_decode_kernel[(B,)](
+        kv, gate, position_bias, positions, slot, tables, open_kv, open_gate,
+        prev_kv if overlap else open_kv, prev_gate if overlap else open_gate, rows, norm_weight, freq,
+        float(eps), kv.stride(0), gate.stride(0), positions.stride(0), slot.stride(0), tables.stride(0),
+        M=ratio, D=D, OVERLAP=overlap, RPP=rows.shape[1], NOPE=D - 2 * freq.shape[0],
+        BLOCK_S=min(16, triton.next_power_of_2(ratio)), num_warps=4,
+    )
+
+
+@triton.jit
+def _paged_key_rows_kernel(
+    pos_ptr, start_ptr, offset_ptr, slot_ptr, table_ptr, comp_ptr, out_ptr,
+    comp_base, scratch_base, K,
+    stride_pos, stride_start, stride_offset, stride_slot, stride_table, stride_comp, stride_out,
+    W: tl.constexpr, RPP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t * stride_pos)
+    start = tl.load(start_ptr + t * stride_start)
+    slot = tl.load(slot_ptr + t * stride_slot)
+    new_base = scratch_base + tl.load(offset_ptr + t * stride_offset)
+    j = tl.arange(0, BLOCK_W)
+    key = pos - (W - 1) + j
+    row = tl.where(key < start, slot * W + key % W, new_base + key - start)
+    tl.store(out_ptr + t * stride_out + j, tl.where(key >= 0, row, -1), mask=j < W)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        r = tl.load(comp_ptr + t * stride_comp + k, mask=k < K, other=-1)
+        seen = r >= 0
+        page = tl.load(table_ptr + t * stride_table + tl.where(seen, r, 0) // RPP, mask=seen & (k < K), other=0)
+        tl.store(out_ptr + t * stride_out + W + k, tl.where(seen, comp_base + page * RPP + r % RPP, -1), mask=k < K)
+
+
+def paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compressed, window, rows_per_page, comp_base,
+                   scratch_base):
+    """The backend op `paged_key_rows` (see `Backend.paged_key_rows`)."""
+    T = positions.shape[0]
+    K = compressed.shape[1] if compressed is not None else 0
+    out = torch.empty((T, window + K), dtype=torch.long, device=positions.device)
+    if T == 0:
+        return out
+    comp = compressed if compressed is not None else out  # (unread when K = 0)
+    _paged_key_rows_kernel[(T,)](
+        positions, chunk_start, chunk_offset, slot, tables, comp, out, int(comp_base), int(scratch_base), K,
+        positions.stride(0), chunk_start.stride(0), chunk_offset.stride(0), slot.stride(0), tables.stride(0),
+        comp.stride(0), out.stride(0),
+        W=window, RPP=max(int(rows_per_page), 1), BLOCK_W=triton.next_power_of_2(window), BLOCK_K=128, num_warps=4,
+    )
+    return out
