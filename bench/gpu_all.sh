@@ -19,5 +19,5 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 python3 bench/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60
