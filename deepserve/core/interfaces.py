@@ -105,10 +105,17 @@ class Backend(ABC):
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
 
-    def head_logits(self, x: Tensor, weight: Tensor) -> Tensor | None:
-        """The LM head `x @ weight.T` as fp32 [T, V] straight from a low-precision `weight` (bf16/fp16) and `x`,
-        with fp32 accumulation: the same products as upcasting both. None (the default) when the backend cannot;
-        the model then multiplies in fp32 with an upcast copy of the head that it keeps."""
+    def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
+        """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
+        fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)
+        when the backend cannot; the model then multiplies fp32 copies."""
+        return None
+
+    def route(self, logits: Tensor, bias: Tensor | None, hash_ids: Tensor | None, top_k: int, scale: float):
+        """Optional fused MoE routing from the router's fp32 logits [T, E]: scores `sqrt(softplus(logits))`; the
+        experts are `hash_ids` [T, k] when given (hash layers), else the top-k of `scores + bias` (the bias steers
+        selection only); their weights are the scores, normalised to sum 1 (+1e-20) and times `scale`. Returns
+        (ids [T, k] int64, weights [T, k] fp32), or None (the default) when the backend has no kernel for it."""
         return None
 
     def compress_decode(

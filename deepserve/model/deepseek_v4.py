@@ -84,12 +84,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in fp32, as the official reference computes it. A backend that multiplies a low-precision
-        head with fp32 accumulation and output (`Backend.head_logits`) reads it as it is; else it is upcast once
+        head with fp32 accumulation and output (`Backend.linear_fp32`) reads it as it is; else it is upcast once
         and kept (re-made only if the weight changes): upcasting it every step cost more than the whole batch-1
         decode floor on the H200 (bench/gpu_notes.md)."""
         weight = self.lm_head.weight
         if weight.dtype != torch.float32 and not (torch.is_grad_enabled() and weight.requires_grad):
-            direct = self.backend.head_logits(hidden, weight)  # fp32 out of the low-precision head, if it can
+            direct = self.backend.linear_fp32(hidden, weight)  # fp32 out of the low-precision head, if it can
             if direct is not None:
                 return direct
             key = (weight.data_ptr(), weight._version, weight.device)

@@ -102,13 +102,13 @@ def test_paged_indexer_kernel_matches_reference():
     assert bool(((chosen < count[:, None]) | ~valid).all())
 
 
-def test_head_logits_is_the_fp32_product():
+def test_linear_fp32_is_the_fp32_product():
     from deepserve.backends.nvidia import NvidiaBackend
 
     backend = NvidiaBackend("cuda:0")
     x = torch.randn(5, 4096, device="cuda").bfloat16()
     w = torch.randn(129280, 4096, device="cuda").bfloat16()
-    out = backend.head_logits(x, w)
+    out = backend.linear_fp32(x, w)
     assert out is not None and out.dtype == torch.float32
     ref = x.double() @ w.double().t()
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -292,6 +292,45 @@ def test_compress_decode(ratio, D, overlap, dtype):
     assert err < (1e-5 if dtype == torch.float32 else BF16_TOL)
 
 
+@pytest.mark.parametrize("T,top_k,E,bm", [(1, 6, 32, 16), (64, 6, 32, 16), (256, 6, 32, 32), (33, 8, 256, 16)])
+def test_align_small_equals_align(T, top_k, E, bm):
+    from deepserve.backends.nvidia.triton_ops.moe import _align, _align_small
+
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(CUDA)
+    a, b = _align(ids, E, bm), _align_small(ids, E, bm)
+    assert a[2] == b[2] and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("E,top_k,hashed", [(32, 6, False), (256, 8, False), (32, 6, True)])
+def test_route(E, top_k, hashed):
+    from deepserve.backends.nvidia.triton_ops.moe import route
+
+    g = gen(CUDA, E)
+    T = 200
+    logits = torch.randn((T, E), generator=g, device=CUDA) * 3
+    logits[0, :4] = 30.0  # softplus's linear branch
+    bias = torch.randn(E, generator=g, device=CUDA) * 0.1
+    hash_ids = torch.stack([torch.randperm(E, device=CUDA)[:top_k] for _ in range(T)]) if hashed else None
+    ids, weights = route(logits, None if hashed else bias, hash_ids, top_k, 2.5)
+    scores = ReferenceBackend(CUDA).router_scores(logits)
+    expect = hash_ids if hashed else torch.topk(scores + bias, top_k, dim=-1).indices
+    assert torch.equal(ids.sort(1).values, expect.sort(1).values)
+    ref = scores.gather(1, ids)
+    ref = ref / (ref.sum(-1, keepdim=True) + 1e-20) * 2.5
+    assert float((weights - ref).abs().max()) < 1e-6
+
+
+def test_swiglu_kernel():
+    from deepserve.backends.nvidia.triton_ops.elementwise import swiglu
+
+    g = gen(CUDA, 3)
+    gate_up = randn((300, 2 * 2048), g, CUDA, std=6.0)
+    gate, up = gate_up[:, :2048], gate_up[:, 2048:]  # strided rows, as the shared expert's halves may be
+    out = swiglu(gate, up, 10.0)
+    assert rel_err(out, ReferenceBackend(CUDA).swiglu(gate.float(), up.float(), 10.0)) < BF16_TOL
+
+
 @pytest.mark.parametrize("K", [0, 512, 32])
 def test_paged_key_rows(K):
     check_paged_key_rows(CUDA, 300, 128, K, 64)

@@ -98,13 +98,13 @@ class NvidiaBackend(ReferenceBackend):
             return super().linear(x, weight)
         return F.linear(x, weight)
 
-    def head_logits(self, x, weight):
-        """fp32 logits from bf16/fp16 operands as they are: cuBLAS multiplies them with fp32 accumulation and
-        fp32 output (the products of the operands' values, as the fp32 reference computes them), reading the
-        LM head at half the bytes of an fp32 copy. None when this torch or GPU cannot (the model then keeps
-        an fp32 copy of the head)."""
+    def linear_fp32(self, x, weight):
+        """fp32 output from bf16/fp16 operands as they are: cuBLAS multiplies them with fp32 accumulation and fp32
+        output (the products of the operands' values, as the fp32 reference computes them), reading the weight at
+        half the bytes of an fp32 copy. None when this torch or GPU cannot, or the operands differ in dtype (an
+        fp32 operand would be rounded)."""
         if not self._mixed_head or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-            return None  # (an fp32 x would be rounded: the fp32 copy keeps its precision)
+            return None
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
 
     def grouped_linear(self, x, weight):
@@ -131,7 +131,14 @@ class NvidiaBackend(ReferenceBackend):
     def swiglu(self, gate, up, limit):
         if not self.fast:
             return super().swiglu(gate, up, limit)
+        if self.kernels is not None and gate.is_cuda and gate.dim() == 2:
+            return self.kernels.elementwise.swiglu(gate, up, limit)
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    def route(self, logits, bias, hash_ids, top_k, scale):
+        if self.kernels is None or not logits.is_cuda or logits.shape[1] > 4096:
+            return None
+        return self.kernels.moe.route(logits, bias, hash_ids, top_k, scale)
 
     # -- mHC -----------------------------------------------------------------------------------------------------
     def _hc_fast(self, streams) -> bool:

@@ -87,3 +87,29 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n, cols, stride_g, stride_u, stride_o, limit, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    r, c = i // cols, i % cols
+    g = tl.minimum(tl.load(gate_ptr + r * stride_g + c, mask=ok, other=0.0).to(tl.float32), limit)
+    u = tl.load(up_ptr + r * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(out_ptr + r * stride_o + c, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU of [T, I] gate and up (rows may be strided) in one launch: silu(min(g, limit)) *
+    clamp(u, -limit, limit), computed in fp32."""
+    T, I = gate.shape
+    out = torch.empty((T, I), dtype=gate.dtype, device=gate.device)
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    n = T * I
+    if n:
+        block = 1024
+        _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, I, gate.stride(0), up.stride(0), out.stride(0),
+                                                 float(limit), BLOCK=block, num_warps=4)
+    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .common import dot_precision
 
@@ -116,6 +117,60 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return slot_pair, block_expert, num_blocks
 
 
+@triton.jit
+def _align_small_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, pairs, num_slots, num_blocks,
+                        E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """`_align` in one program, for the few pairs of a decode step: counts by comparison, each pair's slot from
+    its expert's padded start plus its stable rank among the pairs of that expert (the order torch's stable
+    argsort gives), every other slot -1, each block's expert from the padded ends."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for p0 in range(0, pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < pairs, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    end = tl.where(e_ok, end, 2**30)
+    for s0 in range(0, num_slots, 1024):
+        s = s0 + tl.arange(0, 1024)
+        tl.store(slot_pair_ptr + s, tl.full((1024,), -1, tl.int64), mask=s < num_slots)
+    for b0 in range(0, num_blocks, 64):
+        b = b0 + tl.arange(0, 64)
+        expert = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1).to(tl.int64), mask=b < num_blocks)
+    tl.debug_barrier()  # the -1 fill lands before the pairs' slots
+    seen = tl.zeros((BLOCK_E,), tl.int32)  # pairs of each expert in earlier tiles
+    q = tl.arange(0, BLOCK_P)
+    for p0 in range(0, pairs, BLOCK_P):
+        p = p0 + q
+        ids = tl.load(ids_ptr + p, mask=p < pairs, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [P, E]
+        same = (ids[:, None] == ids[None, :]) & (q[None, :] < q[:, None])  # an earlier pair of this tile, same expert
+        rank = tl.sum(same.to(tl.int32), axis=1) + tl.sum(onehot * seen[None, :], axis=1)
+        dest = tl.sum(onehot * start[None, :], axis=1) + rank
+        tl.store(slot_pair_ptr + dest, p.to(tl.int64), mask=p < pairs)
+        seen += tl.sum(onehot, axis=0)
+
+
+def _align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    flat = topk_ids.reshape(-1).contiguous()
+    pairs = flat.numel()
+    num_blocks = triton.cdiv(pairs, block_m) + num_experts
+    slot_pair = torch.empty((num_blocks * block_m,), dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty((num_blocks,), dtype=torch.int64, device=flat.device)
+    _align_small_kernel[(1,)](flat, slot_pair, block_expert, pairs, num_blocks * block_m, num_blocks,
+                              E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts), BM=block_m, BLOCK_P=32,
+                              num_warps=4)
+    return slot_pair, block_expert, num_blocks
+
+
+# one program aligns up to this many (token, expert) pairs faster than the ~20 launches of `_align`
+SMALL_ALIGN_PAIRS = 2048
+
+
 def _block_m(num_pairs: int) -> int:
     """Rows per block by pairs per step: a decode step has about pairs / experts rows per expert."""
     return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64
@@ -134,7 +189,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T == 0:
         return pair_out.view(T, top_k, D).sum(1)
     bm = _block_m(pairs)
-    slot_pair, block_expert, num_blocks = _align(topk_ids, E, bm)
+    align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
+    slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
     h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
     _gate_up_swiglu_kernel[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, slot_pair, block_expert, h, D, I, top_k, float(limit),
@@ -148,3 +204,45 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         BLOCK_M=bm, PRECISION=dot_precision(x.dtype),
     )
     return pair_out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, hash_ptr, ids_ptr, weights_ptr, scale, stride_l, stride_h,
+                  E: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, HASH: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0)
+    scores = tl.sqrt(tl.where(x > 20.0, x, libdevice.log1p(tl.exp(x))))  # softplus with torch's threshold
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    if HASH:
+        ids = tl.load(hash_ptr + t * stride_h + k, mask=k < K, other=0).to(tl.int32)
+    else:
+        sel = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+        for j in tl.static_range(K):  # the K best, best first, the lowest id among equals
+            best = tl.argmax(sel, axis=0, tie_break_left=True)
+            ids = tl.where(k == j, best, ids)
+            sel = tl.where(e == best, float("-inf"), sel)
+    picked = (ids[:, None] == e[None, :]) & (k < K)[:, None]
+    w = tl.sum(tl.where(picked, scores[None, :], 0.0), axis=1)
+    w = w / (tl.sum(w, axis=0) + 1e-20) * scale
+    tl.store(ids_ptr + t * K + k, ids.to(tl.int64), mask=k < K)
+    tl.store(weights_ptr + t * K + k, w, mask=k < K)
+
+
+def route(logits, bias, hash_ids, top_k: int, scale: float):
+    """The backend op `route` (see `Backend.route`): one program per token."""
+    T, E = logits.shape
+    logits = logits.float().contiguous()
+    ids = torch.empty((T, top_k), dtype=torch.long, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    if T:
+        hashed = hash_ids is not None
+        _route_kernel[(T,)](
+            logits, bias.float().contiguous() if bias is not None else logits, hash_ids if hashed else logits,
+            ids, weights, float(scale), logits.stride(0), hash_ids.stride(0) if hashed else 0,
+            E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k), HASH=hashed,
+            num_warps=4 if E >= 512 else 1,
+        )
+    return ids, weights
