@@ -148,8 +148,7 @@ class NvidiaBackend(ReferenceBackend):
     def hc_pre(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
         if not self._hc_fast(streams):
             return super().hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
-        mix = torch.mm(streams.flatten(1).float(), fn.float().t())  # the kernel divides by the streams' RMS
-        return self.kernels.mhc.hc_pre(streams, mix, base, scale, iters, hc_eps, norm_eps)
+        return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
 
     def hc_post(self, streams, block_out, post, comb):
         if not self._hc_fast(streams):

@@ -4,6 +4,10 @@ One program owns one query and a block of heads. It walks the query's index list
 those rows of the pool straight from memory (no [T, K, d] gather in between), and keeps an online softmax whose
 running maximum and denominator start at the head's sink logit, so the sink joins the denominator without a
 separate pass and the maximum is finite from the first block on.
+
+A decode step has few queries (a batch-1 step: one query, two programs for 132 multiprocessors), so there the
+index list is split into parts, one program each (the sink in part 0's softmax only), and a second kernel
+merges the parts' running maxima, denominators and sums.
 """
 
 from __future__ import annotations
@@ -19,36 +23,66 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _sparse_mqa_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr,
-    K, H, scale_log2,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stat_ptr,
+    K, H, scale_log2, per_split,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     dims = tl.arange(0, D)
     head_ok = heads < H
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
     # logits are kept in log2 units: exp2 is the fast path
-    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    denom = tl.full((BLOCK_H,), 1.0, tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))  # the sink joins the first part's softmax only
+    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
-    for start in range(0, K, BLOCK_N):
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, K)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < K, other=-1)
+        rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
         ok = rows >= 0
         keys = tl.load(kv_ptr + tl.where(ok, rows, 0)[:, None] * stride_kvn + dims[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a part with no key yet: nothing to scale
+        p = tl.exp2(s - safe[:, None])
+        alpha = tl.exp2(m - safe)
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None])
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:  # this part's running sum, maximum and denominator, merged by `_merge_kernel`
+        at = (t * SPLITS + split) * H + heads
+        tl.store(part_ptr + at[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
+        tl.store(stat_ptr + 2 * at, m, mask=head_ok)
+        tl.store(stat_ptr + 2 * at + 1, denom, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, stat_ptr, out_ptr, H, stride_ot, stride_oh,
+                  D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    parts = tl.arange(0, SPLITS)
+    at = (t * SPLITS + parts) * H + h
+    m = tl.load(stat_ptr + 2 * at)
+    denom = tl.load(stat_ptr + 2 * at + 1)
+    top = tl.max(m, axis=0)  # finite: part 0 holds the sink
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+    total = tl.sum(w * denom, axis=0)
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        acc = tl.load(part_ptr + at[:, None] * D + d[None, :])
+        out = tl.sum(acc * w[:, None], axis=0) / total
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
@@ -65,10 +99,29 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     K = indices.shape[1]
     block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
     block_n = 32 if d >= 256 else 64
-    grid = (T, triton.cdiv(H, block_h))
-    _sparse_mqa_kernel[grid](
-        q, kv, indices, sinks.float().contiguous(), out, K, H, scale * LOG2E,
+    programs = T * triton.cdiv(H, block_h)
+    splits = 1
+    if programs <= 32:  # few queries: parts of at least 2 key blocks, up to about one program per multiprocessor
+        most = min(-(-_SMS // programs), K // (2 * block_n), 16)
+        while splits * 2 <= most:
+            splits *= 2
+    per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
+    part = stat = out
+    if splits > 1:
+        part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
+        stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+    _sparse_mqa_kernel[(T, triton.cdiv(H, block_h), splits)](
+        q, kv, indices, sinks.float().contiguous(), out, part, stat, K, H, scale * LOG2E, per_split,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        D=d, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=8 if d >= 256 else 4, num_stages=2,
+        D=d, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), SPLITS=splits,
+        num_warps=8 if d >= 256 else 4, num_stages=2,
     )
+    if splits > 1:
+        _merge_kernel[(T, H)](part, stat, out, H, out.stride(0), out.stride(1), D=d, SPLITS=splits,
+                              BLOCK_D=min(d, 256), num_warps=4)
     return out
+
+
+_SMS = 132  # multiprocessors of an H100/H200; set from the device at import below when CUDA is up
+if torch.cuda.is_available():
+    _SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
