@@ -9,11 +9,30 @@ import triton.language as tl
 
 
 @triton.jit
+def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, chunk,
+                   BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial sums of the flattened streams through `fn` ([T, n*D] x [NOUT, n*D]^T, fp32 products and sums) over
+    one chunk of the n*D columns: part[chunk, t, o]. Many chunks keep every multiprocessor busy at any T."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.program_id(1)
+    o = tl.arange(0, BLOCK_O)
+    acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+    for k0 in range(ks * chunk, ks * chunk + chunk, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(streams_ptr + t[:, None] * stride_st + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + o[None, :] * stride_fn + k[:, None], mask=(o < NOUT)[None, :] & (k < K)[:, None],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(part_ptr + (ks * T + t)[:, None] * BLOCK_O + o[None, :], acc, mask=(t < T)[:, None])
+
+
+@triton.jit
 def _hc_pre_kernel(
     mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
     D, iters, hc_eps, norm_eps,
-    stride_mt, stride_st, stride_sn, stride_xt,
-    N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_part, stride_mt, stride_st, stride_sn, stride_xt,
+    N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
 ):
     t = tl.program_id(0)
     j = tl.arange(0, N)
@@ -30,10 +49,18 @@ def _hc_pre_kernel(
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
-    mix = mix_ptr + t * stride_mt
-    pre = tl.sigmoid(tl.load(mix + j) * r * s_pre + tl.load(base_ptr + j)) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.load(mix + N + j) * r * s_post + tl.load(base_ptr + N + j))
-    logits = tl.load(mix + 2 * N + rows * N + cols) * r * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
+    # the mix: its partial sums added up (one part when cuBLAS made it)
+    o = tl.arange(0, BLOCK_O)
+    parts = tl.arange(0, PARTS)
+    mix = tl.sum(tl.load(mix_ptr + parts[:, None] * stride_part + t * stride_mt + o[None, :],
+                         mask=(o < NOUT)[None, :], other=0.0), axis=0)  # [BLOCK_O]
+    pre_w = tl.sum(tl.where(o[None, :] == j[:, None], mix[None, :], 0.0), axis=1)
+    post_w = tl.sum(tl.where(o[None, :] == N + j[:, None], mix[None, :], 0.0), axis=1)
+    flat = 2 * N + rows * N + cols  # [N, N]
+    comb_w = tl.sum(tl.where(o[None, None, :] == flat[:, :, None], mix[None, None, :], 0.0), axis=2)
+    pre = tl.sigmoid(pre_w * r * s_pre + tl.load(base_ptr + j)) + hc_eps
+    post = 2.0 * tl.sigmoid(post_w * r * s_post + tl.load(base_ptr + N + j))
+    logits = comb_w * r * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
     comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
@@ -71,23 +98,50 @@ def _hc_post_kernel(
 
 
 def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None):
-    """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]):
-    the mix by cuBLAS in fp32 (a Triton fp32 mix was slower at every T measured: bench/gpu_notes.md), then one
-    program per token divides it by the streams' RMS, projects and collapses."""
+    """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
+    The mix (the flattened streams through `fn`, in fp32): for up to `SMALL_MIX_TOKENS` tokens partial sums over
+    column chunks in one kernel (`_hc_mix_kernel`), summed by `_hc_pre_kernel`; for more, cuBLAS (the Triton mix's
+    FMA products cost an 8K prefill 28 ms; cuBLAS's cast, GEMM and split-K launches cost small decode steps more:
+    bench/gpu_notes.md, runs 10 and 11). Then one program per token divides it by the streams' RMS, projects and
+    collapses."""
     T, n, D = streams.shape
     streams = streams.contiguous()
+    fn = fn.float().contiguous()
     x = torch.empty((T, D), dtype=streams.dtype, device=streams.device) if out is None else out
     post = torch.empty((T, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((T, n, n), dtype=torch.float32, device=streams.device)
-    if T:
-        mix = torch.mm(streams.flatten(1).float(), fn.float().t())  # the kernel divides by the streams' RMS
-        _hc_pre_kernel[(T,)](
-            mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
-            D, int(iters), float(hc_eps), float(norm_eps),
-            mix.stride(0), streams.stride(0), streams.stride(1), x.stride(0),
-            N=n, BLOCK_D=1024, num_warps=4,
-        )
+    if not T:
+        return x, post, comb
+    K, nout = n * D, fn.shape[0]
+    block_o = triton.next_power_of_2(max(nout, 16))
+    if T <= SMALL_MIX_TOKENS:
+        block_t, block_k = 16, 64
+        t_blocks = triton.cdiv(T, block_t)
+        parts = 1
+        while parts < 64 and t_blocks * parts * 2 <= 2 * _SMS and K // (parts * 2) >= 4 * block_k:
+            parts *= 2
+        chunk = triton.cdiv(triton.cdiv(K, parts), block_k) * block_k
+        mix = torch.empty((parts, T, block_o), dtype=torch.float32, device=streams.device)
+        _hc_mix_kernel[(t_blocks, parts)](streams, fn, mix, T, K, nout, K, fn.stride(0), chunk,
+                                          BLOCK_T=block_t, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=4)
+        stride_part, stride_t = T * block_o, block_o
+    else:
+        parts = 1
+        mix = torch.mm(streams.flatten(1).float(), fn.t())
+        stride_part, stride_t = 0, mix.stride(0)
+    _hc_pre_kernel[(T,)](
+        mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
+        D, int(iters), float(hc_eps), float(norm_eps),
+        stride_part, stride_t, streams.stride(0), streams.stride(1), x.stride(0),
+        N=n, BLOCK_D=1024, PARTS=parts, BLOCK_O=block_o, NOUT=nout, num_warps=4,
+    )
     return x, post, comb
+
+
+SMALL_MIX_TOKENS = 64
+_SMS = 132  # multiprocessors of an H100/H200, read from the device when CUDA is up
+if torch.cuda.is_available():
+    _SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def hc_post(streams, block_out, post, comb, out=None):
