@@ -433,6 +433,38 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
     return out
 
 
+def bench_engine(path: Path, device: str, num_seqs: int, input_len: int, output_len: int, vocab: int) -> dict:
+    """The whole engine (`LLM.generate`: scheduler, runner, sampling, asynchronous scheduling) on the written
+    checkpoint: `num_seqs` prompts of `input_len` random tokens, `output_len` greedy tokens each, with decode
+    CUDA graphs and with `enforce_eager`. A warm-up pass of the same prompts (8 tokens each) compiles the kernels
+    and captures the buckets the timed pass uses."""
+    from deepserve import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(2, vocab, (input_len,), generator=g).tolist()} for _ in range(num_seqs)]
+    out = {"num_seqs": num_seqs, "input_len": input_len, "output_len": output_len}
+    for eager in (False, True):
+        llm = LLM(str(path), accelerator="nvidia" if device.startswith("cuda") else "cpu", max_num_seqs=num_seqs,
+                  kv_cache_bytes=8 << 30 if device.startswith("cuda") else 256 << 20,
+                  max_model_len=input_len + output_len + 256, enforce_eager=eager, load_plugins=False)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        sync(device)
+        began = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+                            use_tqdm=False)
+        seconds = time.perf_counter() - began
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        key = "eager" if eager else "graphs"
+        out[key] = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+                    "graph_buckets": len(llm.graphs._buckets) if llm.graphs is not None else 0}
+        print(f"  engine ({key}): {out[key]}", flush=True)
+        del llm, outs
+        gc.collect()
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    out["graphs_over_eager"] = out["graphs"]["output_tok_s"] / out["eager"]["output_tok_s"]
+    return out
+
+
 # -- 5. report ------------------------------------------------------------------------------------------------------
 def report(res: dict) -> str:
     f, wb = res["floors"], res["weights"]
@@ -449,6 +481,11 @@ def report(res: dict) -> str:
             busy = f"{floor / prof['gpu_busy_seconds']:.1%}" if prof and bw else "-"
             lines.append(f"{label + ' b' + str(d['batch']) + ' ctx' + str(d['context']):<26}{d['ms_per_step']:>10.2f}"
                          f"{d['tok_s']:>10.0f}{need / 2**30:>10.2f}{1e3 * floor:>10.2f}{floor / (d['ms_per_step'] / 1e3):>8.1%}{busy:>10}")
+    eng = res.get("engine")
+    if eng:
+        lines += ["", f"engine, {eng['num_seqs']} prompts x {eng['input_len']} tokens, {eng['output_len']} greedy tokens each:"
+                  f" graphs {eng['graphs']['output_tok_s']:.0f} output tok/s, eager {eng['eager']['output_tok_s']:.0f}"
+                  f" ({eng['graphs_over_eager']:.2f}x)"]
     lines += ["", f"{'prefill':<26}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}"]
     for who in ("transformers", "deepserve"):
         for n, d in res.get(who, {}).get("prefill", {}).items():
@@ -509,6 +546,9 @@ def main() -> None:
                     help="decode over self-contained per-sequence states instead of the paged cache the engine uses")
     ap.add_argument("--decode-only", action="store_true", help="skip deepserve's prefill rows")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph decode rows")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time the whole engine (LLM.generate) on the written checkpoint, graphs vs eager")
+    ap.add_argument("--skip-deepserve", action="store_true", help="skip the model-level deepserve rows")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -547,19 +587,24 @@ def main() -> None:
         earlier = json.loads(args.reuse_hf.read_text())
         res["transformers"] = dict(earlier["transformers"], reused_from=str(args.reuse_hf))
         res["transformers_floors"] = earlier["floors"]
-    elif not args.skip_hf:
+    tmp = None
+    if (not args.reuse_hf and not args.skip_hf) or args.engine:
         from deepserve.model.writer import save_checkpoint
 
         tmp = args.checkpoint or Path(tempfile.mkdtemp(prefix="deepserve-gpu-bench-"))
         began = time.perf_counter()
         save_checkpoint(model, tmp)
         res["write_seconds"] = time.perf_counter() - began
+    if not args.reuse_hf and not args.skip_hf:
         res["transformers"] = bench_hf(tmp, device, dtype, hf_prefill, hf_batches, args.context, args.steps,
                                        cfg["vocab_size"])
     res["deepserve_state"] = "contiguous" if args.contiguous else "paged"
-    res["deepserve"] = bench_deepserve(model, device, [] if args.decode_only else ds_prefill, ds_batches,
-                                       args.context, args.steps, cfg["vocab_size"], args.long_context,
-                                       paged=not args.contiguous, graphs=not args.no_graphs)
+    if not args.skip_deepserve:
+        res["deepserve"] = bench_deepserve(model, device, [] if args.decode_only else ds_prefill, ds_batches,
+                                           args.context, args.steps, cfg["vocab_size"], args.long_context,
+                                           paged=not args.contiguous, graphs=not args.no_graphs)
+    if args.engine:  # (on a CPU: a check of the harness; the reference backend has no graphs)
+        res["engine"] = bench_engine(tmp, device, 64 if cuda else 4, args.context, 128 if cuda else 8, cfg["vocab_size"])
 
     for who in ("transformers", "deepserve"):
         for key, d in list(res.get(who, {}).get("decode", {}).items()) + \

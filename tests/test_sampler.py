@@ -92,6 +92,15 @@ def test_greedy_ties_go_to_the_lowest_id():
     assert run(wide, [0, 1], 0, temperature=0.0).tolist() == [123, 123]
 
 
+def test_greedy_rows_are_argmax_lowest():
+    """The runner's all-greedy shortcut (`argmax_lowest` instead of `sample`) draws what `sample` draws."""
+    from deepserve.sampling import argmax_lowest
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (16, 300), generator=g).float()  # many ties
+    assert torch.equal(run(logits, range(16), 0, temperature=0.0), argmax_lowest(logits))
+
+
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
 

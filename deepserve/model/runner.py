@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.sampling import compute_logprobs, suppress_tokens, top_logprobs
+from deepserve.sampling import argmax_lowest, compute_logprobs, suppress_tokens, top_logprobs
 from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, ChunkInput, ModelExecutor,
                                        StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict
@@ -301,6 +301,10 @@ class ModelRunner(ModelExecutor):
                 logits.add_(bias)
             else:
                 logits.index_add_(0, torch.tensor(rows, device=self.device), bias)
+        if all(c.params.temperature == 0 for c in chunks):
+            # every row greedy: `Backend.sample`'s greedy rows are the argmax with the lowest id on ties; its
+            # sampling path (filters, noise) would run for nothing
+            return argmax_lowest(logits.float())
         rs = self._row_sampling(chunks)
         positions = torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.long, device=self.device)
         return self.backend.sample(logits, rs.temperature, rs.top_k, rs.top_p, rs.min_p, rs.seeds, positions)
