@@ -166,3 +166,36 @@ def test_engine_outputs_equal_with_static_decode(tmp_path):
             assert len(calls) > 50  # the decode steps went through it
         assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
     assert outs[0] == outs[1]
+
+
+def test_mixed_steps_split_decode_from_prompt_chunks(tmp_path, monkeypatch):
+    """A step holding decode tokens beside prompt chunks runs its one-token chunks as their own forward (a graph,
+    or the batched paged path) and the rest as another; tokens, logprobs and prompt logprobs equal those of the
+    whole step run as one forward."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.model import runner as runner_mod
+    from deepserve.model.batch import select_chunks
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    path = build_demo_checkpoint(tmp_path / "m", seed=4)
+    prompts = [[5, 6, 7], list(range(10, 150)), [9] * 90, list(range(20, 60)), [7, 8]]
+    params = [SamplingParams(max_tokens=30, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=1, prompt_logprobs=1),
+              SamplingParams(max_tokens=25, temperature=0), SamplingParams(max_tokens=12, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=40, temperature=0)]
+    results, splits = [], []
+    for split in (False, True):
+        if not split:
+            monkeypatch.setattr(runner_mod.ModelRunner, "_forward", lambda self, b, s, r: self.model(b, s))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(runner_mod, "select_chunks",
+                                lambda *a, **k: splits.append(len(a[1])) or select_chunks(*a, **k))
+        llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_num_seqs=5, block_size=128,
+                  max_num_batched_tokens=48, load_plugins=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs or []],
+                         [sorted(d.items()) if d else None for d in o.prompt_logprobs or []]) for o in outs])
+        assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
+    assert splits, "no mixed step was split"
+    assert results[0] == results[1]

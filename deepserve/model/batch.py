@@ -85,6 +85,22 @@ def make_batch(
     )
 
 
+def select_chunks(batch: ForwardBatch, which: Sequence[int], logits_rows: Sequence[Sequence[int]]) -> ForwardBatch:
+    """The batch of chunks `which` of `batch` (in that order), their token ids and positions gathered on the device
+    (placeholders already filled stay filled), with logits for `logits_rows[k]` (indices into chunk `which[k]`)."""
+    chunks, src, want, offset = [], [], [], 0
+    for k, i in enumerate(which):
+        c = batch.chunks[i]
+        chunks.append(SeqChunk(offset=offset, start=c.start, length=c.length, snapshots=c.snapshots))
+        src.extend(range(c.offset, c.offset + c.length))
+        want.extend(offset + r for r in logits_rows[k])
+        offset += c.length
+    device = batch.token_ids.device
+    index = torch.tensor(src, dtype=torch.long, device=device)
+    return ForwardBatch(token_ids=batch.token_ids[index], positions=batch.positions[index], chunks=tuple(chunks),
+                        logits_indices=torch.tensor(want, dtype=torch.long, device=device))
+
+
 def check_states(batch: ForwardBatch, states: Sequence[SequenceState]) -> None:
     """Every chunk must continue its sequence exactly where its state stops."""
     if len(states) != len(batch.chunks):

@@ -27,9 +27,9 @@ from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, 
                                        StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict
 
-from .batch import make_batch
+from .batch import make_batch, select_chunks
 from .cuda_graphs import DecodeGraphs
-from .deepseek_v4 import DeepseekV4ForCausalLM
+from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
 from .speculative import DraftChunk, Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
@@ -90,10 +90,7 @@ class ModelRunner(ModelExecutor):
         batch = self._fill_placeholders(batch, chunks)
         undo = {i: SequenceUndo(states[i], c.start, len(c.token_ids)) for i, c in enumerate(chunks)
                 if c.num_draft_tokens}
-        if self.graphs is not None and self.graphs.supports(batch, states):
-            forward = self.graphs.forward(batch, states)
-        else:
-            forward = self.model(batch, states)
+        forward = self._forward(batch, states, rows)
         logits = forward.logits
         last_rows = [sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))]
         ends = torch.tensor(last_rows, device=self.device)
@@ -111,6 +108,35 @@ class ModelRunner(ModelExecutor):
         self._prompt_logprobs(logits, rows, chunks, out)
         out.seconds = time.perf_counter() - began
         return out
+
+    def _forward(self, batch, states, rows) -> ForwardOutput:
+        """The step's forward. A decode step replays a CUDA graph when `graphs` takes it. A mixed step (decode
+        tokens beside prompt chunks: a request arriving while others decode) runs as two forwards, its one-token
+        chunks (a graph, or the batched paged decode path) and the rest, instead of sending every decode token
+        down the per-sequence path that long chunks need; the logits come back in chunk order. With a proposer the
+        step stays whole (the drafter reads every chunk's streams)."""
+        graphs = self.graphs
+        if graphs is not None and graphs.supports(batch, states):
+            return graphs.forward(batch, states)
+        single = [i for i, c in enumerate(batch.chunks) if c.length == 1]
+        rest = [i for i, c in enumerate(batch.chunks) if c.length != 1]
+        if self.proposer is not None or len(single) < 2 or not rest:
+            return self.model(batch, states)
+        decode = select_chunks(batch, single, [range(1)] * len(single))
+        decode_states = [states[i] for i in single]
+        if graphs is not None and graphs.supports(decode, decode_states):
+            first = graphs.forward(decode, decode_states)
+        else:
+            first = self.model(decode, decode_states)
+        others = self.model(select_chunks(batch, rest, [rows[i] for i in rest]), [states[i] for i in rest])
+        start = [0]
+        for r in rows:
+            start.append(start[-1] + len(r))
+        logits = first.logits.new_empty((start[-1], first.logits.shape[1]))
+        logits[torch.tensor([start[i] for i in single], device=self.device)] = first.logits
+        logits[torch.tensor([start[i] + j for i in rest for j in range(len(rows[i]))], device=self.device)] = \
+            others.logits
+        return ForwardOutput(streams=None, logits=logits)
 
     def _state_for(self, chunk: ChunkInput) -> SequenceState:
         seq = self._seqs.get(chunk.request_id)
