@@ -116,7 +116,9 @@ class LLM:
         needed = max_num_seqs * math.ceil(self.max_model_len / block_size)
         num_pages = min(pages_for_budget(budget, page_bytes), needed)
         self.kv_manager = KVCacheManager(num_pages, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache(self.model, num_pages, block_size, max_num_seqs, with_mtp=with_mtp)
+        # the scratch region holds a step's new rows, so that prompt chunks take the batched path as well
+        self.cache = PagedKVCache(self.model, num_pages, block_size, max_num_seqs, with_mtp=with_mtp,
+                                  max_step_tokens=max(max_num_batched_tokens, 16 * max_num_seqs))
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_pages, block_size, num_pages * block_size)
         self.cost_model = StepCostModel(CostModelConfig(step_time_target=step_time_target))
         scheduler = Scheduler(self.kv_manager, self.cost_model, max_num_seqs, max_num_batched_tokens,

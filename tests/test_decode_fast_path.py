@@ -1,6 +1,7 @@
-"""The batched zero-copy decode path over the paged cache (`batch.PAGED_DECODE`) gives the general path's bits:
-the same logits and every pool tensor equal after each step, on random paged batches (mixed positions crossing
-compression, window and page boundaries, shared-prefix pages, verify-length chunks, slots in random order).
+"""The batched zero-copy path over the paged cache (`batch.PAGED_DECODE`) gives the general path's bits: the
+same logits and every pool tensor equal after each step, on random paged batches (mixed positions crossing
+compression, window and page boundaries, shared-prefix pages, verify-length and prompt-length chunks beside
+decode tokens, slots in random order).
 And its device-op count per layer does not grow with the batch."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Twin:
 
     def __init__(self, model, num_slots=20, num_pages=80):
         self.model = model
-        self.caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
+        self.caches = [PagedKVCache(model, num_pages, PAGE, num_slots, max_step_tokens=1024) for _ in range(2)]
         self.seqs = []  # (table, [fast state, slow state])
         self.next_page = 0
 
@@ -111,6 +112,8 @@ def test_fast_path_equals_general_path_on_random_paged_batches(model, general_pa
     for owner, name in ((Attention, "_paged_key_pool"), (_Pooler, "_emit_single_tokens"), (_Pooler, "_emit_chunks")):
         def spy(*a, _fn=getattr(owner, name), _name=name, **k):
             taken[_name] += 1
+            if _name == "_paged_key_pool" and any(c.length > 16 for c in a[2].chunks):
+                taken["long chunks"] += 1
             return _fn(*a, **k)
         monkeypatch.setattr(owner, name, spy)
     snap = Attention._snapshot_windows
@@ -139,13 +142,16 @@ def test_fast_path_equals_general_path_on_random_paged_batches(model, general_pa
         which = rng.sample(range(len(twin.seqs)), rng.randint(1, len(twin.seqs)))  # random order of slots
         verify = step % 5 == 4
         tokens = [ids(rng, rng.randint(1, 6) if verify or step % 5 == 2 else 1) for _ in which]
+        if step % 5 == 3:  # prompt-length chunks (past the window, across compression blocks and pages) beside
+            tokens = [ids(rng, rng.choice((1, rng.randint(17, 70)))) for _ in which]  # decode tokens
         rows = [range(len(t)) for t in tokens]
         keep = [rng.randint(1, len(t)) for t in tokens] if verify else None  # speculative: journal, roll back
         fast, slow = twin.step(which, tokens, general_path, logits_rows=rows, keep=keep)
         assert torch.equal(fast, slow), f"step {step}"
         twin.assert_same_state()
     assert taken["_paged_key_pool"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
-    assert taken["_emit_chunks"] > 10  # verify-length chunks too
+    assert taken["_emit_chunks"] > 10  # verify-length and prompt chunks too
+    assert taken["long chunks"] > 20  # prompt chunks past the window took the batched path
     assert taken["snapshots"] > 0  # and crossed page boundaries
 
 

@@ -75,6 +75,10 @@ class Attention(nn.Module):
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
             if static is None:  # a static step's snapshots are taken after it, from the written rings
                 self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
+                if any(c.length > self.window for c in batch.chunks):  # only a chunk's last W rows survive:
+                    keep = torch.tensor([c.offset + j for c in batch.chunks  # one write per ring slot
+                                         for j in range(max(0, c.length - self.window), c.length)], device=kv.device)
+                    ring_rows, kv = ring_rows[keep], kv[keep]
             pool.index_put_((ring_rows,), kv)  # every sequence's window-ring write in one scatter
         else:
             pool, indices, windows = self._key_pool(kv, batch, states, compressed)
@@ -159,11 +163,10 @@ class Attention(nn.Module):
         return torch.where(key_pos >= 0, window, torch.full_like(key_pos, -1))
 
     def _paged_pools(self, kv, batch: ForwardBatch, states):
-        """The layer pools of the paged cache when this step can index them directly (the batched decode path):
-        every state of the batch from the same cache, every chunk at most `window` tokens (decode, speculative
-        verify), the new rows fitting the scratch region. Else None."""
+        """The layer pools of the paged cache when this step can index them directly (the batched path): every
+        state of the batch from the same cache, the new rows fitting the scratch region. Else None."""
         pools = paged_step_pools(batch, states, self.window)
-        if pools is None or batch.num_tokens > pools.scratch_rows or kv.dtype != pools.storage.dtype:
+        if pools is None or kv.dtype != pools.storage.dtype:
             return None
         return pools
 

@@ -110,21 +110,22 @@ def check_states(batch: ForwardBatch, states: Sequence[SequenceState]) -> None:
             raise ValueError(f"sequence {i}: chunk starts at {chunk.start} but its state holds {state.num_tokens} tokens")
 
 
-# The batched zero-copy decode path over the paged cache is taken whenever `paged_step_pools` allows it; False
-# forces the general per-sequence path everywhere (the tests and bench/decode_host.py compare the two).
+# The batched zero-copy path over the paged cache (decode, verify and prompt chunks) is taken whenever
+# `paged_step_pools` allows it; False forces the general per-sequence path everywhere (the tests and
+# bench/decode_host.py compare the two).
 PAGED_DECODE = True
 
 
 def paged_step_pools(batch: ForwardBatch, states: Sequence[AttentionState], window: int):
     """The layer pools (`kv_cache._LayerPools`) shared by every state of the batch when the step qualifies for
-    the batched decode path: all states paged in the same cache, every chunk at most `window` tokens (decode,
-    speculative verify). Else None. Host-side checks only."""
+    the batched path: all states paged in the same cache and the step's new rows fitting its scratch region
+    (any chunk lengths: decode, speculative verify, prompt chunks). Else None. Host-side checks only."""
     if not PAGED_DECODE or not states:
         return None
     pools = states[0].pools
     if pools is None or any(st.pools is not pools for st in states):
         return None
-    if any(c.length > window for c in batch.chunks):
+    if batch.num_tokens > pools.scratch_rows:
         return None
     return pools
 

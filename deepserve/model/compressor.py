@@ -191,25 +191,26 @@ class _Pooler(nn.Module):
         pools.rows.index_put_((page, first % rpp), rows.to(pools.rows.dtype))
 
     def _emit_chunks(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
-        """`emit` for chunks of any length up to a window (speculative verify, with or without a journal), all
-        together: each chunk's frontier (open block from the pool, then its new rows) is gathered into one padded
-        tensor, whose rows become the journals' records (views), the new open blocks (one scatter) and the closed
-        blocks (pooled with their predecessors' Ca halves, normed, rotated, scattered into the pages)."""
+        """`emit` for chunks of any length (prompt chunks, speculative verify with or without a journal), all
+        together: every chunk's frontier (open block from the pool, then its new rows) is gathered into one flat
+        tensor, whose slices become the journals' records (views), the new open blocks (one scatter) and the
+        closed blocks (pooled with their predecessors' Ca halves, normed, rotated, scattered into the pages)."""
         m, d, device = self.ratio, self.dim, kv.device
         num_pool_rows = pools.open_kv.shape[0] * m
-        frontier, opens, blocks, snaps, lasts = [], [], [], [], []  # host index lists, see below
-        lengths = []
+        src, opens, blocks, snaps, lasts = [], [], [], [], []  # host index lists, see below
+        spans = []  # (first flat row, length) of each chunk's frontier
         for b, i in enumerate(which):
             chunk, state, slot = batch.chunks[i], states[i], slots[i]
             held = chunk.start % m
             n = held + chunk.length
-            lengths.append(n)
+            base = len(src)
+            spans.append((base, n))
             # source rows of the frontier: pool rows slot*m + j of the open block, then batch rows (after the pool)
-            frontier.append([slot * m + j for j in range(held)] +
-                            [num_pool_rows + chunk.offset + j for j in range(chunk.length)])
+            src += [slot * m + j for j in range(held)]
+            src += range(num_pool_rows + chunk.offset, num_pool_rows + chunk.offset + chunk.length)
             closed, rows = n // m, state.rows
             first = rows.num_rows
-            opens += [(b, closed * m + r, slot, r) for r in range(n - closed * m)]
+            opens += [(base + closed * m + r, slot, r) for r in range(n - closed * m)]
             if first + closed > len(rows.table) * rows.per_page:
                 raise RuntimeError(f"block table holds {len(rows.table)} pages, too few for {first + closed} rows")
             for boundary, page in chunk.snapshots:
@@ -218,30 +219,27 @@ class _Pooler(nn.Module):
                 lasts.append((len(blocks) + closed - 1, slot))
             for c in range(closed):
                 r = first + c
-                blocks.append((b, c, slot, int(first > 0), r, rows.table[r // rows.per_page], r % rows.per_page))
+                blocks.append((base, c, slot, int(first > 0), r, rows.table[r // rows.per_page], r % rows.per_page))
             rows.num_rows = first + closed
-        width = max(lengths)
-        src = torch.tensor([f + [0] * (width - len(f)) for f in frontier], dtype=torch.long, device=device)
-        from_pool = (src < num_pool_rows)[..., None]
-        f_kv = torch.where(from_pool, pools.open_kv.view(-1, kv.shape[1])[src.clamp(max=num_pool_rows - 1)],
-                           kv[(src - num_pool_rows).clamp(min=0)])  # [B, width, frontier width]
-        f_gate = torch.where(from_pool, pools.open_gate.view(-1, gate.shape[1])[src.clamp(max=num_pool_rows - 1)],
-                             gate[(src - num_pool_rows).clamp(min=0)])
-        for b, i in enumerate(which):  # speculative passes keep their frontier for a rollback (views, no copy)
+        src = torch.tensor(src, dtype=torch.long, device=device)
+        from_pool = (src < num_pool_rows)[:, None]
+        pool_row, batch_row = src.clamp(max=num_pool_rows - 1), (src - num_pool_rows).clamp(min=0)
+        f_kv = torch.where(from_pool, pools.open_kv.view(-1, kv.shape[1])[pool_row], kv[batch_row])  # [rows, F]
+        f_gate = torch.where(from_pool, pools.open_gate.view(-1, gate.shape[1])[pool_row], gate[batch_row])
+        for (base, n), i in zip(spans, which):  # speculative passes keep their frontier for a rollback (views)
             if states[i].journal is not None:
                 chunk = batch.chunks[i]
-                states[i].record(chunk.start - chunk.start % m, f_kv[b, : lengths[b]], f_gate[b, : lengths[b]])
-        if blocks:
-            blk, c, slot, has_prev, first_row, page, in_page = \
-                torch.tensor(blocks, dtype=torch.long, device=device).unbind(1)
-            cols = c[:, None] * m + torch.arange(m, device=device)[None, :]  # [NB, m]
-            block_kv, block_gate = f_kv[blk[:, None], cols], f_gate[blk[:, None], cols]
+                states[i].record(chunk.start - chunk.start % m, f_kv[base : base + n], f_gate[base : base + n])
         if opens:
-            b, col, slot_o, r = torch.tensor(opens, dtype=torch.long, device=device).unbind(1)
-            pools.open_kv.index_put_((slot_o, r), f_kv[b, col])
-            pools.open_gate.index_put_((slot_o, r), f_gate[b, col])
+            at, slot_o, r = torch.tensor(opens, dtype=torch.long, device=device).unbind(1)
+            pools.open_kv.index_put_((slot_o, r), f_kv[at])
+            pools.open_gate.index_put_((slot_o, r), f_gate[at])
         if not blocks:
             return
+        base, c, slot, has_prev, first_row, page, in_page = \
+            torch.tensor(blocks, dtype=torch.long, device=device).unbind(1)
+        cols = base[:, None] + c[:, None] * m + torch.arange(m, device=device)[None, :]  # [NB, m] flat rows
+        block_kv, block_gate = f_kv[cols], f_gate[cols]
         if self.overlap and snaps:  # (rare) prefix-hit state at a page boundary, as `emit` saves it
             k, snap_page = torch.tensor(snaps, dtype=torch.long, device=device).unbind(1)
             pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
@@ -250,9 +248,8 @@ class _Pooler(nn.Module):
             earlier = (cols - m).clamp(min=0)
             in_chunk = (c > 0)[:, None, None]
             pool_prev = (has_prev > 0)[:, None, None]
-            prev_kv = torch.where(in_chunk, f_kv[blk[:, None], earlier][..., :d],
-                                  torch.where(pool_prev, pools.prev_kv[slot], 0.0))
-            prev_gate = torch.where(in_chunk, f_gate[blk[:, None], earlier][..., :d],
+            prev_kv = torch.where(in_chunk, f_kv[earlier][..., :d], torch.where(pool_prev, pools.prev_kv[slot], 0.0))
+            prev_gate = torch.where(in_chunk, f_gate[earlier][..., :d],
                                     torch.where(pool_prev, pools.prev_gate[slot], float("-inf")))
             k, last_slot = torch.tensor(lasts, dtype=torch.long, device=device).unbind(1)
             pools.prev_kv.index_put_((last_slot,), block_kv[k, :, :d])

@@ -158,9 +158,9 @@ class PagedKVCache:
     def __init__(self, model: DeepseekV4ForCausalLM, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype | None = None, device=None, with_mtp: bool = False,
                  max_step_tokens: int | None = None) -> None:
-        """`max_step_tokens`: the most new tokens a step may bring for the decode fast path (each layer keeps a
-        scratch region of that many rows for them); default 16 per slot (a decode token plus 15 drafts). Larger
-        steps take the general path."""
+        """`max_step_tokens`: the most new tokens a step may bring for the batched path (each layer keeps a
+        scratch region of that many rows for them); default 16 per slot (a decode token plus 15 drafts); `LLM`
+        passes its `max_num_batched_tokens` so that prompt chunks fit too. Larger steps take the general path."""
         main, mtp = model.state_specs()
         for spec in main:
             if spec.window > page_size:
