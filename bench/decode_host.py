@@ -4,7 +4,8 @@
 
 The demo model (random tiny V4: window 16, CSA ratio 4 with an indexer, HCA ratio 16, layers SW SW CSA HCA CSA
 HCA) over a paged cache; every sequence prefilled to a random context of 100-400 tokens (so blocks close on
-different steps, as in serving), then decode steps of one token per sequence (`--chunk N`: N tokens each, the shape of a speculative verify step). Two identical caches: one decodes
+different steps, as in serving), then decode steps of one token per sequence (`--chunk N`: N tokens each, the shape of a speculative verify step,
+or of prompt chunks for N past the window). Two identical caches: one decodes
 with `batch.PAGED_DECODE` on, the other with it off; their logits are checked equal every step.
 
 Per decode step it reports
@@ -93,11 +94,13 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def setup(model, batch_size, seed):
-    """Two caches holding the same `batch_size` prefilled sequences; returns (caches, tables, states per cache)."""
+def setup(model, batch_size, seed, extra_tokens=64, step_tokens=16):
+    """Two caches holding the same `batch_size` prefilled sequences, with pages for `extra_tokens` more each and a
+    scratch region for `step_tokens` new tokens per sequence; returns (states per cache, rng)."""
     rng = random.Random(seed)
-    pages_each = 400 // PAGE + 4
-    caches = [PagedKVCache(model, batch_size * pages_each, PAGE, batch_size) for _ in range(2)]
+    pages_each = (400 + extra_tokens) // PAGE + 2
+    caches = [PagedKVCache(model, batch_size * pages_each, PAGE, batch_size,
+                           max_step_tokens=batch_size * max(step_tokens, 16)) for _ in range(2)]
     tables = [list(range(i * pages_each, (i + 1) * pages_each)) for i in range(batch_size)]
     prompts = [[rng.randrange(2, 258) for _ in range(rng.randint(100, 400))] for _ in range(batch_size)]
     states = []
@@ -125,7 +128,7 @@ def run(batches, steps, chunk=1, seed=0):
     model = randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), seed)
     rows = []
     for bs in batches:
-        (fast_states, slow_states), rng = setup(model, bs, seed + bs)
+        (fast_states, slow_states), rng = setup(model, bs, seed + bs, chunk * (steps + 1), chunk)
         result = {"batch": bs, "chunk": chunk}
         times = {True: [], False: []}
         for step in range(steps + 1):
