@@ -136,12 +136,19 @@ class _Pooler(nn.Module):
             k, snap_page = torch.tensor(snapshots, dtype=torch.long, device=device).unbind(1)
             pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
             pools.snap_gate.index_put_((snap_page,), block_gate[k, :, :d])
-        if self.overlap:  # pool block w-1's Ca half with block w's Cb half; block 0 has no predecessor
+        self._close_blocks(pools, block_kv, block_gate, first, slot, slot, page, in_page)
+
+    def _close_blocks(self, pools, block_kv, block_gate, first, slot, prev_slot, page, in_page) -> None:
+        """Turn closing blocks ([B, ratio, frontier width], the `first`-th row of their sequences, in `slot`) into
+        rows at `pools.rows[page, in_page]`: CSA pools block w-1's Ca half (the slot's overlap state; none for
+        block 0) with block w's Cb half and leaves block w's Ca half in the overlap state of `prev_slot`."""
+        m, d = self.ratio, self.dim
+        if self.overlap:
             has_prev = (first > 0)[:, None, None]
             prev_kv = torch.where(has_prev, pools.prev_kv[slot], 0.0)
             prev_gate = torch.where(has_prev, pools.prev_gate[slot], float("-inf"))
-            pools.prev_kv.index_put_((slot,), block_kv[..., :d])
-            pools.prev_gate.index_put_((slot,), block_gate[..., :d])
+            pools.prev_kv.index_put_((prev_slot,), block_kv[..., :d])
+            pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
         pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
@@ -156,7 +163,7 @@ class _Pooler(nn.Module):
         its frontier, overlap half and row where no sequence reads them (the padding slot, the trash page), so
         the step's launches and shapes never depend on the rows. The same arithmetic row by row as
         `_emit_single_tokens`, so the same bits where a block closes."""
-        m, d = self.ratio, self.dim
+        m = self.ratio
         slot, tables = layout.slot[:, 0], layout.tables
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         if self.backend.compress_decode(kv, gate, self.position_bias, positions, slot, tables, pools.open_kv,
@@ -176,19 +183,8 @@ class _Pooler(nn.Module):
         page = torch.where(closing, page, trash_page)
         block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[:, None]), dim=1)  # [B, m, width]
         block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[:, None]), dim=1)
-        if self.overlap:
-            has_prev = (first > 0)[:, None, None]
-            prev_kv = torch.where(has_prev, pools.prev_kv[slot], 0.0)
-            prev_gate = torch.where(has_prev, pools.prev_gate[slot], float("-inf"))
-            prev_slot = torch.where(closing, slot, pad_slot)
-            pools.prev_kv.index_put_((prev_slot,), block_kv[..., :d])
-            pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
-            block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
-            block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
-        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
-        pools.rows.index_put_((page, first % rpp), rows.to(pools.rows.dtype))
+        self._close_blocks(pools, block_kv, block_gate, first, slot, torch.where(closing, slot, pad_slot), page,
+                           first % rpp)
 
     def _emit_chunks(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
         """`emit` for chunks of any length (prompt chunks, speculative verify with or without a journal), all
