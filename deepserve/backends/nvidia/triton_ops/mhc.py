@@ -1,5 +1,6 @@
-"""mHC mixing: the per-token Sinkhorn projection and stream collapse in one launch, and the expand-and-mix in
-another (the reference spends ~80 small launches per site on the 4x4 Sinkhorn loop alone)."""
+"""mHC mixing: the streams' mix through `fn` (fp32 partial sums over column chunks for a few tokens, cuBLAS for
+many), then the per-token RMS division, Sinkhorn projection and stream collapse in one launch, and the
+expand-and-mix in another (the reference spends ~80 small launches per site on the 4x4 Sinkhorn loop alone)."""
 
 from __future__ import annotations
 
