@@ -75,9 +75,8 @@ class Attention(nn.Module):
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
             if static is None:  # a static step's snapshots are taken after it, from the written rings
                 self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
-                if any(c.length > self.window for c in batch.chunks):  # only a chunk's last W rows survive:
-                    keep = torch.tensor([c.offset + j for c in batch.chunks  # one write per ring slot
-                                         for j in range(max(0, c.length - self.window), c.length)], device=kv.device)
+                keep = self._ring_rows_kept(batch, kv.device)
+                if keep is not None:
                     ring_rows, kv = ring_rows[keep], kv[keep]
             pool.index_put_((ring_rows,), kv)  # every sequence's window-ring write in one scatter
         else:
@@ -90,6 +89,16 @@ class Attention(nn.Module):
 
         out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True)
         return self.o_b_proj(self._grouped_o_a(out))
+
+    def _ring_rows_kept(self, batch: ForwardBatch, device) -> torch.Tensor | None:
+        """The batch rows whose keys the window rings keep: each chunk's last W (one write per ring slot), or None
+        when every chunk is at most W long. Built once per forward (every layer has the same window)."""
+        key = ("ring rows kept", self.window)
+        if key not in batch.memo:
+            W = self.window
+            batch.memo[key] = None if all(c.length <= W for c in batch.chunks) else torch.tensor(
+                [c.offset + j for c in batch.chunks for j in range(max(0, c.length - W), c.length)], device=device)
+        return batch.memo[key]
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """Heads in G groups; group g goes through its own slice of `o_a_proj`."""
@@ -165,7 +174,7 @@ class Attention(nn.Module):
     def _paged_pools(self, kv, batch: ForwardBatch, states):
         """The layer pools of the paged cache when this step can index them directly (the batched path): every
         state of the batch from the same cache, the new rows fitting the scratch region. Else None."""
-        pools = paged_step_pools(batch, states, self.window)
+        pools = paged_step_pools(batch, states)
         if pools is None or kv.dtype != pools.storage.dtype:
             return None
         return pools

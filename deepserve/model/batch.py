@@ -116,7 +116,7 @@ def check_states(batch: ForwardBatch, states: Sequence[SequenceState]) -> None:
 PAGED_DECODE = True
 
 
-def paged_step_pools(batch: ForwardBatch, states: Sequence[AttentionState], window: int):
+def paged_step_pools(batch: ForwardBatch, states: Sequence[AttentionState]):
     """The layer pools (`kv_cache._LayerPools`) shared by every state of the batch when the step qualifies for
     the batched path: all states paged in the same cache and the step's new rows fitting its scratch region
     (any chunk lengths: decode, speculative verify, prompt chunks). Else None. Host-side checks only."""
@@ -147,7 +147,7 @@ class PagedLayout:
 def paged_layout(batch: ForwardBatch, states: Sequence[AttentionState]) -> PagedLayout:
     """The `PagedLayout` of paged `states` (one layer's), built once per forward and sequence set: later layers
     (the same slots and block tables) get the memoised one. Two host-to-device copies, no device syncs."""
-    tables = [_block_table(st) for st in states]
+    tables = [block_table(st) for st in states]
     key = ("paged", tuple(st.slot for st in states), tuple(id(t) for t in tables), tuple(map(len, tables)))
     layout = batch.memo.get(key)
     if layout is None:
@@ -163,7 +163,8 @@ def paged_layout(batch: ForwardBatch, states: Sequence[AttentionState]) -> Paged
     return layout
 
 
-def _block_table(st: AttentionState) -> list[int]:
+def block_table(st: AttentionState) -> list[int]:
+    """The block table of a paged layer state (its compressed streams read it); window-only layers have none."""
     for comp in (st.compressor, st.indexer):
         if comp is not None:
             return comp.rows.table

@@ -79,10 +79,23 @@ class _Pooler(nn.Module):
             state.prev_kv.copy_(kv[-1, :, :d])
             state.prev_gate.copy_(gate[-1, :, :d])
             kv, gate = slots_kv, slots_gate
+        state.rows.append(self._rows(kv, gate, first + torch.arange(closed, device=kv.device)))
+
+    def _rows(self, kv: torch.Tensor, gate: torch.Tensor, first_row: torch.Tensor) -> torch.Tensor:
+        """The rows of closed blocks (their slots' projections [B, slots, dim]): a per-channel softmax of the gates
+        over the slots weights the kv; then RMSNorm, and RoPE at each block's first position (row * ratio)."""
         pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        positions = (first + torch.arange(closed, device=rows.device)) * m
-        state.rows.append(self.backend.apply_rope(rows, positions, self.inv_freq))
+        return self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq)
+
+    def _snapshot_overlap(self, pools, block_kv, block_gate, snaps: list[tuple[int, int]]) -> None:
+        """(rare) The prefix-hit overlap state at page boundaries, as `emit` saves it: the Ca halves of the closing
+        blocks that `snaps` lists as (index in `block_kv`, page)."""
+        if not (self.overlap and snaps):
+            return
+        k, page = torch.tensor(snaps, dtype=torch.long, device=block_kv.device).unbind(1)
+        pools.snap_kv.index_put_((page,), block_kv[k, :, : self.dim])
+        pools.snap_gate.index_put_((page,), block_gate[k, :, : self.dim])
 
     def emit_all(self, kv, gate, batch: ForwardBatch, states: list[CompressorState], pools=None,
                  slots: list[int] | None = None) -> None:
@@ -108,7 +121,7 @@ class _Pooler(nn.Module):
             self._emit_chunks(kv, gate, batch, states, pools, slots, several)
 
     def _emit_single_tokens(self, kv, gate, batch: ForwardBatch, states, pools, slots, which: list[int]) -> None:
-        m, d, device = self.ratio, self.dim, kv.device
+        m, device = self.ratio, kv.device
         opening, closing = [], []  # (batch row, slot, held) / (batch row, slot, first row, page, row in page)
         snapshots = []  # (index in `closing`, page): the Ca half of a block closing at a page boundary
         for i in which:
@@ -132,17 +145,14 @@ class _Pooler(nn.Module):
         row, slot, first, page, in_page = torch.tensor(closing, dtype=torch.long, device=device).unbind(1)
         block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[row][:, None]), dim=1)  # [B, m, width]
         block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[row][:, None]), dim=1)
-        if self.overlap and snapshots:  # (rare) prefix-hit state at a page boundary, as `emit` saves it
-            k, snap_page = torch.tensor(snapshots, dtype=torch.long, device=device).unbind(1)
-            pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
-            pools.snap_gate.index_put_((snap_page,), block_gate[k, :, :d])
+        self._snapshot_overlap(pools, block_kv, block_gate, snapshots)
         self._close_blocks(pools, block_kv, block_gate, first, slot, slot, page, in_page)
 
     def _close_blocks(self, pools, block_kv, block_gate, first, slot, prev_slot, page, in_page) -> None:
         """Turn closing blocks ([B, ratio, frontier width], the `first`-th row of their sequences, in `slot`) into
         rows at `pools.rows[page, in_page]`: CSA pools block w-1's Ca half (the slot's overlap state; none for
         block 0) with block w's Cb half and leaves block w's Ca half in the overlap state of `prev_slot`."""
-        m, d = self.ratio, self.dim
+        d = self.dim
         if self.overlap:
             has_prev = (first > 0)[:, None, None]
             prev_kv = torch.where(has_prev, pools.prev_kv[slot], 0.0)
@@ -151,10 +161,7 @@ class _Pooler(nn.Module):
             pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
-        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        rows = self.backend.apply_rope(rows, first * m, self.inv_freq)
-        pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
+        pools.rows.index_put_((page, in_page), self._rows(block_kv, block_gate, first).to(pools.rows.dtype))
 
     def emit_static(self, x, positions, layout, pools, pad_slot: int, trash_page: int) -> None:
         """`_emit_single_tokens` for a fixed-shape decode step (`StaticDecode`): one token per row, whether it
@@ -236,10 +243,7 @@ class _Pooler(nn.Module):
             torch.tensor(blocks, dtype=torch.long, device=device).unbind(1)
         cols = base[:, None] + c[:, None] * m + torch.arange(m, device=device)[None, :]  # [NB, m] flat rows
         block_kv, block_gate = f_kv[cols], f_gate[cols]
-        if self.overlap and snaps:  # (rare) prefix-hit state at a page boundary, as `emit` saves it
-            k, snap_page = torch.tensor(snaps, dtype=torch.long, device=device).unbind(1)
-            pools.snap_kv.index_put_((snap_page,), block_kv[k, :, :d])
-            pools.snap_gate.index_put_((snap_page,), block_gate[k, :, :d])
+        self._snapshot_overlap(pools, block_kv, block_gate, snaps)
         if self.overlap:  # block c pools block c-1's Ca half (the pool's for c = 0, none for a sequence's block 0)
             earlier = (cols - m).clamp(min=0)
             in_chunk = (c > 0)[:, None, None]
@@ -252,10 +256,7 @@ class _Pooler(nn.Module):
             pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        pooled = (block_kv * torch.softmax(block_gate, dim=1)).sum(dim=1)
-        rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        rows = self.backend.apply_rope(rows, first_row * m, self.inv_freq)
-        pools.rows.index_put_((page, in_page), rows.to(pools.rows.dtype))
+        pools.rows.index_put_((page, in_page), self._rows(block_kv, block_gate, first_row).to(pools.rows.dtype))
 
 
 class Indexer(_Pooler):
@@ -322,12 +323,11 @@ class Compressor(_Pooler):
         overlap = layer_type == CSA
         super().__init__(cfg, backend, cfg.compress_rate(layer_type), cfg.head_dim, overlap, inv_freq)
         self.indexer = Indexer(cfg, backend, inv_freq) if overlap else None
-        self.window = cfg.sliding_window
 
     def forward(self, x, qr, batch: ForwardBatch, states) -> torch.Tensor:
         """Emit this batch's rows into each sequence's state; return, per query, the compressed rows it
         attends to, numbered within its sequence, -1 padded: [T, K]."""
-        layer_pools = paged_step_pools(batch, states, self.window)  # the batched decode path, or None
+        layer_pools = paged_step_pools(batch, states)  # the batched path, or None
         slots = [st.slot for st in states] if layer_pools is not None else None
         kv, gate = self.project(x, batch.positions)
         self.emit_all(kv, gate, batch, [st.compressor for st in states],

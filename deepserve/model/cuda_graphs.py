@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import ForwardBatch, PagedLayout, StaticDecode
+from .batch import ForwardBatch, PagedLayout, StaticDecode, block_table
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
 from .state import SequenceState
@@ -87,6 +87,8 @@ class DecodeGraphs:
         # (layer, stream attribute, ratio) of every compressed stream: the row counts the host advances
         self._streams = [(i, name, s.ratio) for i, spec in enumerate(main)
                          for name, s in (("compressor", spec.compressor), ("indexer", spec.indexer)) if s is not None]
+        # a compressed layer, whose state reads the sequence's block table (None: a window-only model)
+        self._table_layer = self._streams[0][0] if self._streams else None
         self.capture_seconds = 0.0
 
     def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
@@ -96,13 +98,12 @@ class DecodeGraphs:
             return False
         if any(c.length != 1 for c in batch.chunks):
             return False
-        pools = self.cache.layers[0]
-        first = self._streams[0] if self._streams else None
+        pools, layer = self.cache.layers[0], self._table_layer
         for st in states:
             if st.layers[0].pools is not pools:
                 return False
-            if first is not None:
-                comp = getattr(st.layers[first[0]], first[1])
+            if layer is not None:
+                comp = st.layers[layer].compressor
                 if comp.journal is not None or len(comp.rows.table) > self.page_buckets[-1]:
                     return False
         return True
@@ -111,13 +112,12 @@ class DecodeGraphs:
         """Run a step `supports` accepted: logits [B, V] (and the last layer's streams) for its B sequences,
         with every state advanced as the ordinary forward would."""
         B, chunks = len(states), batch.chunks
-        tables = [getattr(st.layers[self._streams[0][0]], self._streams[0][1]).rows.table if self._streams else []
-                  for st in states]
+        tables = [block_table(st.layers[self._table_layer or 0]) for st in states]
         P = self.page_buckets[bisect.bisect_left(self.page_buckets, max(map(len, tables), default=1) or 1)]
         rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, B)]
         page_size = self.cache.page_size
         for c, table in zip(chunks, tables):
-            if self._streams and c.end > len(table) * page_size:
+            if self._table_layer is not None and c.end > len(table) * page_size:
                 raise RuntimeError(f"block table holds {len(table)} pages, too few for position {c.start}")
         bucket = self._buckets.get((rows, P)) or self._make_bucket(rows, P)
         pad = [0, self.cache.pad_slot] + [self.cache.trash_page] * P

@@ -212,7 +212,6 @@ def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
     g = gen(device, seed)
     positions = torch.randint(0, 5000, (T,), generator=g, device=device)
     positions[:2] = torch.tensor([0, W - 3])
-    length = torch.randint(1, 4, (T,), generator=g, device=device)
     start = (positions - torch.randint(0, 3, (T,), generator=g, device=device)).clamp(min=0)[:, None]
     offset = torch.randint(0, 50, (T,), generator=g, device=device)[:, None]
     slot = torch.randint(0, 30, (T,), generator=g, device=device)[:, None]
@@ -226,7 +225,6 @@ def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
         row = compressed.clamp(min=0)
         page = torch.gather(tables, 1, row // rpp)
         expect = torch.cat((expect, torch.where(compressed >= 0, 1000 + page * rpp + row % rpp, -1)), dim=1)
-    del length
     assert torch.equal(got, expect)
 
 
