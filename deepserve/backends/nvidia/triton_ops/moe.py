@@ -28,6 +28,17 @@ _CONFIGS = [
 ]
 
 
+@triton.jit
+def _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of sorted slots: its expert (-1: an unused block), the slots, their (token, k) pair
+    indices and which slots hold one (padding holds -1)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(slot_pair_ptr + slots)
+    return expert, slots, pair, pair >= 0
+
+
 @triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])
 @triton.jit
 def _gate_up_swiglu_kernel(
@@ -36,13 +47,9 @@ def _gate_up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, slots, pair, ok = _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M)
     if expert < 0:
         return
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(slot_pair_ptr + slots)
-    ok = pair >= 0
     token = tl.where(ok, pair // top_k, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -73,13 +80,9 @@ def _down_kernel(
     stride_hm, stride_we, stride_wn, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, slots, pair, ok = _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M)
     if expert < 0:
         return
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(slot_pair_ptr + slots)
-    ok = pair >= 0
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     kk = tl.arange(0, BLOCK_K)
