@@ -160,6 +160,19 @@ def assert_everything_free(llm):
     assert llm.runner.num_active_sequences == 0
 
 
+def assert_satisfied(params, outs) -> None:
+    """Every output stopped by its constraint and satisfies it."""
+    for p, out in zip(params, outs):
+        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
+        check(p, out.text)
+
+
+def assert_alone_equals_batched(llm, params, prompts, outs, every: int) -> None:
+    """Every `every`-th request, run alone, gets the tokens it got in the batch."""
+    for p, prompt, batched in list(zip(params, prompts, outs))[::every]:
+        assert generate(llm, [prompt], p)[0].token_ids == batched.token_ids
+
+
 # -- outputs validate, batched equals alone --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_suite(real_llm):
@@ -170,25 +183,20 @@ def real_suite(real_llm):
 
 def test_every_output_satisfies_its_constraint_with_the_real_tokenizer(real_suite, real_llm):
     params, _, outs = real_suite
-    for p, out in zip(params, outs):
-        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
-        check(p, out.text)
+    assert_satisfied(params, outs)
     assert real_llm.engine.stats.mask_fill_seconds and real_llm.engine.stats.mask_wait_seconds
     assert_everything_free(real_llm)
 
 
 def test_constrained_requests_get_the_same_tokens_alone_and_batched(real_suite, real_llm):
     params, prompts, outs = real_suite
-    for p, prompt, batched in list(zip(params, prompts, outs))[::3]:
-        assert generate(real_llm, [prompt], p)[0].token_ids == batched.token_ids
+    assert_alone_equals_batched(real_llm, params, prompts, outs, 3)
 
 
 def test_every_output_satisfies_its_constraint_with_byte_tokens(demo_llm):
     params = suite() + [constrained({"json_object": True}, max_tokens=400)]
     outs = generate(demo_llm, [f"q{i}" for i in range(len(params))], params)
-    for p, out in zip(params[:-1], outs):
-        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
-        check(p, out.text)
+    assert_satisfied(params[:-1], outs)
     last = outs[-1]  # any JSON object: a random model may not close it within max_tokens
     assert last.text.startswith("{") and (last.finish_reason == "length" or isinstance(json.loads(last.text), dict))
     assert_everything_free(demo_llm)
@@ -371,11 +379,8 @@ def test_other_backends_satisfy_their_constraints_through_the_engine(real_llm, b
     params = backend_suite(backend)
     prompts = [f"Answer {i}:" for i in range(len(params))]
     outs = generate(real_llm, prompts, params)
-    for p, out in zip(params, outs):
-        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
-        check(p, out.text)
-    for p, prompt, batched in list(zip(params, prompts, outs))[::4]:
-        assert generate(real_llm, [prompt], p)[0].token_ids == batched.token_ids
+    assert_satisfied(params, outs)
+    assert_alone_equals_batched(real_llm, params, prompts, outs, 4)
     free = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
     mixed = generate(real_llm, ["c", "The free one"], [params[0], free])
     assert mixed[1].token_ids == generate(real_llm, ["The free one"], free)[0].token_ids
@@ -414,10 +419,7 @@ def test_the_embedded_model_satisfies_every_constraint_alone_and_batched():
     params = [p for backend in backends for p in (suite() if backend == "llguidance" else backend_suite(backend))]
     prompts = [f"def f{i}(x):\n    return " for i in range(len(params))]
     outs = generate(llm, prompts, params)
-    for p, out in zip(params, outs):
-        assert out.finish_reason == "stop", (p.structured_outputs, out.text)
-        check(p, out.text)
-    for p, prompt, batched in list(zip(params, prompts, outs))[::5]:
-        assert generate(llm, [prompt], p)[0].token_ids == batched.token_ids
+    assert_satisfied(params, outs)
+    assert_alone_equals_batched(llm, params, prompts, outs, 5)
     assert_everything_free(llm)
     llm.engine.shutdown()
