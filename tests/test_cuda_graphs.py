@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from deepserve.backends.reference import ReferenceBackend
+import tiny
+
 from deepserve.model.batch import make_batch
 from deepserve.model.cuda_graphs import DecodeGraphs, batch_buckets, page_buckets
-from deepserve.model.factory import load_model
 from deepserve.model.kv_cache import PagedKVCache
 
 PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
@@ -22,10 +22,7 @@ PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
-
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo-graphs"), seed=5)
-    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
+    return tiny.demo_model(tmp_path_factory, seed=5)
 
 
 def test_buckets():

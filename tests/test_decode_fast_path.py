@@ -11,14 +11,14 @@ from collections import Counter
 
 import pytest
 import torch
+
+import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepserve.backends.reference import ReferenceBackend
 from deepserve.model import batch as batch_mod
 from deepserve.model.attention import Attention
 from deepserve.model.batch import make_batch
 from deepserve.model.compressor import _Pooler
-from deepserve.model.factory import load_model
 from deepserve.model.kv_cache import PagedKVCache
 from deepserve.model.speculative import SequenceUndo
 
@@ -27,10 +27,7 @@ PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
-
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo-fast"), seed=3)
-    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
+    return tiny.demo_model(tmp_path_factory, seed=3)
 
 
 @pytest.fixture

@@ -5,17 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.backends.reference import ReferenceBackend
+import tiny
+
 from deepserve.model.batch import make_batch
-from deepserve.model.factory import load_model
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
-
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo-mtp"), seed=3)
-    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
+    return tiny.demo_model(tmp_path_factory, seed=3)
 
 
 def tokens(seed, n):

@@ -7,20 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.backends.reference import ReferenceBackend
+import tiny
+
 from deepserve.model.batch import make_batch
-from deepserve.model.factory import load_model
 from deepserve.model.kv_cache import PagedKVCache
 from deepserve.model.speculative import DraftChunk, RowSampling, SequenceUndo
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
-
-    # window 16, CSA ratio 4 (with overlap and indexer), HCA ratio 16
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo-spec"), seed=5)
-    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
+    return tiny.demo_model(tmp_path_factory, seed=5)
 
 
 def tokens(seed, n):

@@ -114,3 +114,14 @@ def save_hf_checkpoint(model, path: Path) -> Path:
 
 def config_json(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def demo_model(tmp_path_factory, seed: int):
+    """deepserve's demo architecture (window 16, CSA ratio 4 with overlap and indexer, HCA ratio 16; random
+    weights from `seed`), written by `build_demo_checkpoint` and loaded in fp32 on the CPU reference backend."""
+    from deepserve.backends.reference import ReferenceBackend
+    from deepserve.model.factory import load_model
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp(f"demo-{seed}"), seed=seed)
+    return load_model(path, ReferenceBackend("cpu"), dtype="float32", progress=False)
