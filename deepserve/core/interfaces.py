@@ -63,11 +63,14 @@ class Backend(ABC):
         """RMSNorm over the last dim, computed in fp32, returned in `x.dtype`. `weight=None` is unweighted."""
 
     @abstractmethod
-    def apply_rope(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+    def apply_rope(
+        self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False, inplace: bool = False
+    ) -> Tensor:
         """Interleaved (GPT-J) RoPE on the last `2 * len(inv_freq)` dims of `x` [T, ..., d].
 
         `positions` [T] are absolute positions; `inverse=True` rotates by `-position` (used on the attention
-        output, since V = K carries rotated dims). The leading dims pass through unchanged.
+        output, since V = K carries rotated dims). The leading dims pass through unchanged. `inplace=True`: the
+        caller no longer needs `x`, so the backend may rotate it in place and return it (or return a new tensor).
         """
 
     @abstractmethod

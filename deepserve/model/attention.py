@@ -59,8 +59,9 @@ class Attention(nn.Module):
         b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
         qr = b.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
         q = b.rms_norm(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), None, eps)
-        q = b.apply_rope(q, batch.positions, self.inv_freq)
-        kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq)
+        q = b.apply_rope(q, batch.positions, self.inv_freq, inplace=True)
+        kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq,
+                          inplace=True)
 
         static = batch.static
         if static is not None:  # a fixed-shape decode step: everything from device tensors, no host state
@@ -87,7 +88,7 @@ class Attention(nn.Module):
                     st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
                 st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
 
-        out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True)
+        out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True, inplace=True)
         return self.o_b_proj(self._grouped_o_a(out))
 
     def _ring_rows_kept(self, batch: ForwardBatch, device) -> torch.Tensor | None:

@@ -86,7 +86,7 @@ class _Pooler(nn.Module):
         over the slots weights the kv; then RMSNorm, and RoPE at each block's first position (row * ratio)."""
         pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        return self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq)
+        return self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True)
 
     def _snapshot_overlap(self, pools, block_kv, block_gate, snaps: list[tuple[int, int]]) -> None:
         """(rare) The prefix-hit overlap state at page boundaries, as `emit` saves it: the Ca halves of the closing
@@ -276,7 +276,7 @@ class Indexer(_Pooler):
         With the step's `PagedLayout` (paged decode path) every sequence's keys come out of the page pool in one
         gather; else each sequence's rows are viewed and concatenated."""
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
-        q = self.backend.apply_rope(q, batch.positions, self.inv_freq)
+        q = self.backend.apply_rope(q, batch.positions, self.inv_freq, inplace=True)
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
         counts = [state.rows.num_rows for state in states]
         starts = [0]
@@ -299,7 +299,7 @@ class Indexer(_Pooler):
         query sees the table's full width, its own count masking the rest), so nothing depends on the row
         counts the host keeps."""
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
-        q = self.backend.apply_rope(q, positions, self.inv_freq)
+        q = self.backend.apply_rope(q, positions, self.inv_freq, inplace=True)
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
         key_count = (positions + 1) // self.ratio
         return self.backend.indexer_topk_paged(q, weights, pages, tables, key_count, self.topk)

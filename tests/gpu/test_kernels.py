@@ -248,14 +248,14 @@ def test_indexer(T):
     assert overlap > 0.98  # only near-ties at the cut may differ
 
 
-@pytest.mark.parametrize("T", [1, 64, 1000])
+@pytest.mark.parametrize("T", [1, 64, 1000, 3000])  # 3000 x 6 pairs: prefill's 128-row blocks
 def test_moe_experts(T):
     err = check_moe(CUDA, T, D=4096, I=2048, E=32, top_k=6, seed=T)
     print(f"moe_experts T={T}: rel err {err:.2e}")
     assert err < BF16_TOL
 
 
-@pytest.mark.parametrize("T", [1, 64, 300])
+@pytest.mark.parametrize("T", [1, 64, 300, 4100])  # above 64 tokens: the mix from three bf16 terms of fn
 def test_hc(T):
     x, post, comb, new = check_hc(CUDA, T, n=4, D=4096, seed=T)
     print(f"hc T={T}: collapsed {x:.2e}, post {post:.2e}, comb {comb:.2e}, hc_post {new:.2e}")
@@ -334,6 +334,35 @@ def test_paged_key_rows(K):
 
 
 @pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place(inverse):
+    """`inplace=True` rotates the given rows themselves (touching only the rotated dims) to the same values."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
+
+    g = gen(CUDA, 2)
+    x = randn((300, 64, 512), g, CUDA)
+    positions = torch.randint(0, 32768, (300,), generator=g, device=CUDA)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=CUDA).float() / 64))
+    expect = apply_rope(x, positions, inv_freq, inverse)
+    y = x.clone()
+    out = apply_rope(y, positions, inv_freq, inverse, inplace=True)
+    assert out.data_ptr() == y.data_ptr() and torch.equal(out, expect)
+    assert torch.equal(apply_rope(x.clone().transpose(0, 1), positions[:64], inv_freq, inverse, inplace=True),
+                       apply_rope(x.transpose(0, 1), positions[:64], inv_freq, inverse))  # not contiguous: a copy
+
+
+def test_split_bf16_terms_sum_to_fn():
+    from deepserve.backends.nvidia.triton_ops.mhc import split_bf16
+
+    fn = torch.randn((24, 16384), device=CUDA) * 0.01
+    terms = split_bf16(fn)
+    assert terms.dtype == torch.bfloat16 and terms.shape == (3, 24, 16384)
+    assert rel_err(terms.double().sum(0), fn) < 1e-7
+    assert split_bf16(fn) is terms  # made once
+    fn.mul_(2)
+    assert rel_err(split_bf16(fn).double().sum(0), fn) < 1e-7  # rebuilt after an in-place write
+
+
+@pytest.mark.parametrize("inverse", [False, True])
 def test_rope_fp32_at_long_positions(inverse):
     """fp32 rows at positions up to 1M: the kernel's angles and libdevice cos/sin against torch's."""
     from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
@@ -355,3 +384,17 @@ def test_backend_uses_kernels():
 
     b = NvidiaBackend()
     assert b.kernels is not None and "triton" in repr(b)
+
+
+@pytest.mark.parametrize("T", [1, 300])
+def test_grouped_linear_writes_groups_in_place(T):
+    """The backend's grouped projection (each group's product written into its columns of the [T, G, r] result)
+    against the reference's."""
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    g = gen(CUDA, T)
+    x = randn((T, 8, 4096), g, CUDA)
+    w = randn((8, 1024, 4096), g, CUDA, std=4096**-0.5)
+    out = NvidiaBackend().grouped_linear(x, w)
+    assert out.shape == (T, 8, 1024) and out.is_contiguous()
+    assert rel_err(out, ReferenceBackend(CUDA).grouped_linear(x.float(), w.float())) < BF16_TOL

@@ -110,7 +110,11 @@ class NvidiaBackend(ReferenceBackend):
     def grouped_linear(self, x, weight):
         if not self.fast:
             return super().grouped_linear(x, weight)
-        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        # cuBLAS writes each group's product straight into its columns of a [T, G, r] result (a transposed view
+        # as the batched output), so the caller's flatten to [T, G * r] copies nothing (was 1 ms of an 8K prefill)
+        out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+        torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     # -- elementwise ---------------------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -118,10 +122,10 @@ class NvidiaBackend(ReferenceBackend):
             return super().rms_norm(x, weight, eps)
         return self.kernels.elementwise.rms_norm(x, weight, eps)
 
-    def apply_rope(self, x, positions, inv_freq, inverse=False):
+    def apply_rope(self, x, positions, inv_freq, inverse=False, inplace=False):
         if self.kernels is None or not x.is_cuda:
             return super().apply_rope(x, positions, inv_freq, inverse)
-        return self.kernels.elementwise.apply_rope(x, positions, inv_freq, inverse)
+        return self.kernels.elementwise.apply_rope(x, positions, inv_freq, inverse, inplace=inplace)
 
     def router_scores(self, logits):
         if not self.fast:

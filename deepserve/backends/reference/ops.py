@@ -72,7 +72,8 @@ class ReferenceBackend(Backend):
         return y.to(x.dtype)
 
     def apply_rope(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+        inplace: bool = False,
     ) -> torch.Tensor:
         rd = 2 * inv_freq.shape[0]
         angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, rd/2]

@@ -86,8 +86,9 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, H, stride_ot, stride_oh,
 
 
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d]."""
+               out: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+    """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
+    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits): bench/kernel_sweep.py."""
     T, H, d = q.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -99,9 +100,22 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     K = indices.shape[1]
     block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
     block_n = 32 if d >= 256 else 64
+    warps, stages = (8 if d >= 256 else 4), 2
+    if d >= 256 and q.element_size() == 2:
+        # bench/kernel_sweep.py on the H200 (run 15), d = 512 bf16: 64 keys per block; all 64 heads in one program
+        # once there are queries enough to fill the machine (each key row is read once per program, so a second
+        # head block read every key twice: an 8K CSA prefill 8.3 -> 3.0 ms), 32 heads for decode-sized steps
+        block_n = 64
+        if T * triton.cdiv(H, 64) >= 2 * _SMS:
+            block_h = max(16, min(64, triton.next_power_of_2(H)))
+    tiles = tiles or {}
+    block_h, block_n = tiles.get("block_h", block_h), tiles.get("block_n", block_n)
+    warps, stages = tiles.get("num_warps", warps), tiles.get("num_stages", stages)
     programs = T * triton.cdiv(H, block_h)
     splits = 1
-    if programs <= 32:  # few queries: parts of at least 2 key blocks, up to about one program per multiprocessor
+    if "splits" in tiles:
+        splits = tiles["splits"]
+    elif programs <= 32:  # few queries: parts of at least 2 key blocks, up to about one program per multiprocessor
         most = min(-(-_SMS // programs), K // (2 * block_n), 16)
         while splits * 2 <= most:
             splits *= 2
@@ -114,7 +128,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         q, kv, indices, sinks.float().contiguous(), out, part, stat, K, H, scale * LOG2E, per_split,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         D=d, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), SPLITS=splits,
-        num_warps=8 if d >= 256 else 4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _merge_kernel[(T, H)](part, stat, out, H, out.stride(0), out.stride(1), D=d, SPLITS=splits,

@@ -4,16 +4,22 @@ expand-and-mix in another (the reference spends ~80 small launches per site on t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, chunk,
-                   BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, stride_split, chunk,
+                   BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """Partial sums of the flattened streams through `fn` ([T, n*D] x [NOUT, n*D]^T, fp32 products and sums) over
-    one chunk of the n*D columns: part[chunk, t, o]. Many chunks keep every multiprocessor busy at any T."""
+    one chunk of the n*D columns: part[chunk, t, o]. Many chunks keep every multiprocessor busy at any T.
+
+    SPLIT: bf16 streams, and `fn` given as three bf16 terms [3, NOUT, n*D] whose sum is the fp32 `fn`
+    (`split_bf16`): each term's products with a bf16 value are exact in fp32, so three bf16 tensor-core dots with
+    fp32 accumulation give the fp32 products, where an fp32 dot would run on FMA units at a fraction of the rate."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ks = tl.program_id(1)
     o = tl.arange(0, BLOCK_O)
@@ -21,11 +27,36 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_
     for k0 in range(ks * chunk, ks * chunk + chunk, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(streams_ptr + t[:, None] * stride_st + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + o[None, :] * stride_fn + k[:, None], mask=(o < NOUT)[None, :] & (k < K)[:, None],
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
+                    other=0.0)
+        w_at = fn_ptr + o[None, :] * stride_fn + k[:, None]
+        w_ok = (o < NOUT)[None, :] & (k < K)[:, None]
+        if SPLIT:
+            for term in tl.static_range(3):
+                acc = tl.dot(x, tl.load(w_at + term * stride_split, mask=w_ok, other=0.0), acc)
+        else:
+            acc += tl.dot(x.to(tl.float32), tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32),
+                          input_precision="ieee")
     tl.store(part_ptr + (ks * T + t)[:, None] * BLOCK_O + o[None, :], acc, mask=(t < T)[:, None])
+
+
+_SPLITS: dict[int, tuple] = {}  # id(fn) -> (weak reference, data pointer, version, split)
+
+
+def split_bf16(fn: torch.Tensor) -> torch.Tensor:
+    """fp32 `fn` as three bf16 terms [3, *fn.shape] (hi, the rounding error of hi, the error of both) whose sum
+    carries fn's 24 significant bits. Made once per weight (rebuilt if it is written in place)."""
+    entry = _SPLITS.get(id(fn))
+    if entry is not None and entry[0]() is fn and entry[1:3] == (fn.data_ptr(), fn._version):
+        return entry[3]
+    rest, terms = fn.float(), []
+    for _ in range(3):
+        terms.append(rest.to(torch.bfloat16))
+        rest = rest - terms[-1].float()
+    split = torch.stack(terms).contiguous()
+    for key in [k for k, e in _SPLITS.items() if e[0]() is None]:  # weights that are gone
+        del _SPLITS[key]
+    _SPLITS[id(fn)] = (weakref.ref(fn), fn.data_ptr(), fn._version, split)
+    return split
 
 
 @triton.jit
@@ -98,16 +129,17 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None):
+def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
-    The mix (the flattened streams through `fn`, in fp32): for up to `SMALL_MIX_TOKENS` tokens partial sums over
-    column chunks in one kernel (`_hc_mix_kernel`), summed by `_hc_pre_kernel`; for more, cuBLAS (the Triton mix's
-    FMA products cost an 8K prefill 28 ms; cuBLAS's cast, GEMM and split-K launches cost small decode steps more:
-    bench/gpu_notes.md, runs 10 and 11). Then one program per token divides it by the streams' RMS, projects and
+    The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
+    (`_hc_mix_kernel`), summed by `_hc_pre_kernel`: fp32 FMA products for up to `SMALL_MIX_TOKENS` tokens, the
+    three-term bf16 split on tensor cores for more (FMA products cost an 8K prefill 28 ms, cuBLAS's fp32 GEMM
+    and the cast of the streams to fp32 8 ms: bench/gpu_notes.md, runs 10, 11 and 15); cuBLAS for fp16/fp32
+    streams of more tokens. Then one program per token divides it by the streams' RMS, projects and
     collapses."""
     T, n, D = streams.shape
     streams = streams.contiguous()
-    fn = fn.float().contiguous()
+    weight, fn = fn, fn.float().contiguous()
     x = torch.empty((T, D), dtype=streams.dtype, device=streams.device) if out is None else out
     post = torch.empty((T, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((T, n, n), dtype=torch.float32, device=streams.device)
@@ -115,16 +147,21 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None):
         return x, post, comb
     K, nout = n * D, fn.shape[0]
     block_o = triton.next_power_of_2(max(nout, 16))
-    if T <= SMALL_MIX_TOKENS:
-        block_t, block_k = 16, 64
+    if split is None:  # (bench/kernel_sweep.py forces either way)
+        split = T > SMALL_MIX_TOKENS
+    split = split and streams.dtype == torch.bfloat16
+    if T <= SMALL_MIX_TOKENS or split:
+        block_t, block_k = (64, 64) if split else (16, 64)
         t_blocks = triton.cdiv(T, block_t)
         parts = 1
         while parts < 64 and t_blocks * parts * 2 <= 2 * _SMS and K // (parts * 2) >= 4 * block_k:
             parts *= 2
         chunk = triton.cdiv(triton.cdiv(K, parts), block_k) * block_k
         mix = torch.empty((parts, T, block_o), dtype=torch.float32, device=streams.device)
-        _hc_mix_kernel[(t_blocks, parts)](streams, fn, mix, T, K, nout, K, fn.stride(0), chunk,
-                                          BLOCK_T=block_t, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=4)
+        w = split_bf16(weight) if split else fn
+        _hc_mix_kernel[(t_blocks, parts)](streams, w, mix, T, K, nout, K, w.stride(-2), w.stride(0), chunk,
+                                          BLOCK_T=block_t, BLOCK_O=block_o, BLOCK_K=block_k, SPLIT=split,
+                                          num_warps=4)
         stride_part, stride_t = T * block_o, block_o
     else:
         parts = 1

@@ -175,13 +175,17 @@ SMALL_ALIGN_PAIRS = 2048
 
 
 def _block_m(num_pairs: int) -> int:
-    """Rows per block by pairs per step: a decode step has about pairs / experts rows per expert."""
-    return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64
+    """Rows per block by pairs per step: a decode step has about pairs / experts rows per expert. Long prefills
+    take 128-row blocks (an 8K prefill's expert GEMMs 6.8 -> 5.7 ms a layer: bench/kernel_sweep.py, run 15)."""
+    return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else 128
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, limit: float, pair_out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, D], topk_ids/topk_weights [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D] in x.dtype."""
+                w2: torch.Tensor, limit: float, pair_out: torch.Tensor | None = None,
+                tiles: dict | None = None) -> torch.Tensor:
+    """x [T, D], topk_ids/topk_weights [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D] in x.dtype.
+    `tiles` fixes the tiles instead of the autotuner's pick (block_m, and BLOCK_N, BLOCK_K, num_warps,
+    num_stages for both GEMMs): bench/kernel_sweep.py."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -191,22 +195,24 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         pair_out = torch.empty((pairs, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return pair_out.view(T, top_k, D).sum(1)
-    bm = _block_m(pairs)
+    bm = tiles["block_m"] if tiles and "block_m" in tiles else _block_m(pairs)
+    fixed = {k: v for k, v in (tiles or {}).items() if k != "block_m"}
+    gate_up, down = (_gate_up_swiglu_kernel.fn, _down_kernel.fn) if fixed else (_gate_up_swiglu_kernel, _down_kernel)
     align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
     slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
     h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
-    _gate_up_swiglu_kernel[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
+    gate_up[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, slot_pair, block_expert, h, D, I, top_k, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=bm, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=bm, PRECISION=dot_precision(x.dtype), **fixed,
     )
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[lambda meta: (num_blocks, triton.cdiv(D, meta["BLOCK_N"]))](
+    down[lambda meta: (num_blocks, triton.cdiv(D, meta["BLOCK_N"]))](
         h, w2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=bm, PRECISION=dot_precision(x.dtype), **fixed,
     )
-    return pair_out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+    return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
 
 
 @triton.jit

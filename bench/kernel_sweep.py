@@ -1,0 +1,239 @@
+"""Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors.
+
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,copies]
+
+1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
+   + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
+   queries with 640 keys each. Every tile choice (heads per program, keys per block, warps, stages) is checked
+   against the default choice's output, then timed with CUDA events (median of 20).
+2. `moe_experts` (the two grouped GEMMs) at 8,192, 64 and 1 tokens (top-6 of 32 experts, hidden 4096,
+   intermediate 2048) for fixed tiles against the autotuned pick.
+3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
+4. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
+   casts and concatenations the step makes and what they cost.
+
+Prints a table per part; writes kernel_sweep.json into --out ($OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def events(fn, repeats=20, warmup=3) -> float:
+    """Median milliseconds of `fn()` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def attention_case(name: str, T: int, window: int, compressed: int, pool_extra: int, device, g):
+    """q [T, 64, 512], a pool and each query's index list as the model builds them: its window (the rows of the
+    positions before it, -1 before position 0) then `compressed` picks among the compressed rows it can see."""
+    H, d = 64, 512
+    prefill = T > 64
+    q = torch.randn(T, H, d, device=device, dtype=torch.bfloat16, generator=g)
+    if prefill:
+        n_comp = T // 4 if compressed == 512 else max(T // 128, 1)
+        pool = torch.randn(T + n_comp, d, device=device, dtype=torch.bfloat16, generator=g)
+        t = torch.arange(T, device=device)
+        win = t[:, None] - window + 1 + torch.arange(window, device=device)[None, :]
+        idx = [torch.where(win >= 0, win, -1)]
+        if compressed:
+            visible = (t // (4 if compressed == 512 else 128))[:, None]  # rows closed before each token
+            rows = torch.arange(n_comp, device=device)[None, :]
+            score = torch.rand(T, n_comp, device=device, generator=g).masked_fill(rows >= visible, -1.0)
+            k = min(compressed, n_comp)
+            top = torch.topk(score, k, dim=1)
+            idx.append(torch.where(top.values >= 0, T + top.indices, -1))
+        indices = torch.cat(idx, 1)
+    else:
+        pool = torch.randn(pool_extra, d, device=device, dtype=torch.bfloat16, generator=g)
+        indices = torch.randint(0, pool_extra, (T, window + compressed), device=device, generator=g)
+    sinks = torch.randn(H, device=device, generator=g)
+    return dict(name=name, q=q, pool=pool, indices=indices, sinks=sinks)
+
+
+def sweep_attention(device, g) -> list[dict]:
+    from deepserve.backends.nvidia.triton_ops import attention
+
+    cases = [
+        attention_case("prefill 8K CSA (128 + 512 keys)", 8192, 128, 512, 0, device, g),
+        attention_case("prefill 8K HCA (128 + 64 keys)", 8192, 128, 64, 0, device, g),
+        attention_case("prefill 8K window (128 keys)", 8192, 128, 0, 0, device, g),
+        attention_case("decode b64 (640 keys)", 64, 128, 512, 64 * 4096, device, g),
+        attention_case("decode b1 (640 keys)", 1, 128, 512, 4096, device, g),
+    ]
+    grid = [dict(block_h=h, block_n=n, num_warps=w, num_stages=s)
+            for (h, w), n, s in itertools.product(((32, 4), (32, 8), (64, 8), (64, 16)), (16, 32, 64), (1, 2, 3))]
+    rows = []
+    for case in cases:
+        q, pool, idx, sinks = case["q"], case["pool"], case["indices"], case["sinks"]
+        ref = attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5)
+        base = events(lambda: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5))
+        results = []
+        for tiles in grid:
+            try:
+                out = attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = events(lambda: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles), repeats=10)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                results.append(dict(tiles=tiles, error=str(e)[:120]))
+                continue
+            results.append(dict(tiles=tiles, ms=ms, rel_err=err))
+        ok = sorted((r for r in results if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
+        rows.append(dict(case=case["name"], default_ms=base, best=ok[:5], failed=sum("error" in r for r in results),
+                         wrong=sum(1 for r in results if r.get("rel_err", 0) >= 1e-2)))
+        best = ok[0] if ok else None
+        print(f"  {case['name']:<34} default {base:8.3f} ms   best {best['ms'] if best else float('nan'):8.3f} ms "
+              f"{best['tiles'] if best else ''}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_moe(device, g) -> list[dict]:
+    from deepserve.backends.nvidia.triton_ops import moe
+
+    E, D, I, k = 32, 4096, 2048, 6
+    w13 = torch.randn(E, 2 * I, D, device=device, dtype=torch.bfloat16, generator=g) / 64
+    w2 = torch.randn(E, D, I, device=device, dtype=torch.bfloat16, generator=g) / 45
+    tile_grid = [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=s)
+                 for n, kk, w, s in [(64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 5), (128, 64, 8, 3),
+                                     (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 4),
+                                     (128, 128, 8, 4), (64, 128, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3)]]
+    rows = []
+    for T, block_ms in ((8192, (64, 128)), (64, (16, 32)), (1, (16,))):
+        x = torch.randn(T, D, device=device, dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(T, E, device=device, generator=g).argsort(1)[:, :k].contiguous()
+        wts = torch.rand(T, k, device=device, generator=g)
+        ref = moe.moe_experts(x, ids, wts, w13, w2, 10.0)
+        base = events(lambda: moe.moe_experts(x, ids, wts, w13, w2, 10.0))
+        results = []
+        for bm, tiles in itertools.product(block_ms, tile_grid):
+            t = dict(tiles, block_m=bm)
+            try:
+                out = moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=t)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = events(lambda: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=t), repeats=10)
+            except Exception as e:  # noqa: BLE001
+                results.append(dict(tiles=t, error=str(e)[:120]))
+                continue
+            results.append(dict(tiles=t, ms=ms, rel_err=err))
+        ok = sorted((r for r in results if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
+        rows.append(dict(tokens=T, default_ms=base, best=ok[:5], failed=sum("error" in r for r in results)))
+        best = ok[0] if ok else None
+        print(f"  moe T={T:<6} default {base:8.3f} ms   best {best['ms'] if best else float('nan'):8.3f} ms "
+              f"{best['tiles'] if best else ''}", flush=True)
+    return rows
+
+
+def graphed(fn, calls=20) -> float:
+    """Median milliseconds of one `fn()` inside a CUDA graph of `calls` calls (no launch gaps from the host)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return events(graph.replay, repeats=10) / calls
+
+
+def sweep_mhc(device, g) -> list[dict]:
+    """hc_pre (the mHC mix, then the Sinkhorn collapse) at decode and prefill token counts: the mix as fp32 FMA
+    products against the three-term bf16 split on tensor cores, each inside a CUDA graph."""
+    from deepserve.backends.nvidia.triton_ops import mhc
+
+    n, D = 4, 4096
+    fn = torch.randn(((2 + n) * n, n * D), device=device, generator=g) * 0.5 / (n * D) ** 0.5
+    base = 0.5 * torch.randn((2 + n) * n, device=device, generator=g)
+    scale = 1.0 + 0.2 * torch.randn(3, device=device, generator=g)
+    rows = []
+    for T in (1, 4, 16, 64, 256, 8192):
+        streams = torch.randn(T, n, D, device=device, generator=g).to(torch.bfloat16)
+        row = dict(tokens=T)
+        for split in (False, True):
+            if T > 256 and not split:
+                continue
+            row["split" if split else "no_split"] = graphed(
+                lambda: mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, split=split))
+        rows.append(row)
+        print(f"  hc_pre T={T:<5} " + "  ".join(f"{k} {v:.4f} ms" for k, v in row.items() if k != "tokens"),
+              flush=True)
+    return rows
+
+
+@torch.no_grad()
+def prefill_copies(device) -> list[dict]:
+    """An 8K prefill of the benchmark's model under the profiler: the ops that move memory, by input shape."""
+    from bench.gpu import V4_FLASH_LAYER, build
+    from deepserve.backends.nvidia import NvidiaBackend
+    from deepserve.model.batch import make_batch
+
+    model = build(V4_FLASH_LAYER, NvidiaBackend(device), torch.bfloat16)
+    ids = torch.randint(2, 129280, (8192,)).tolist()
+
+    def run():
+        model(make_batch([ids], [0], device), [model.make_state()])
+    run()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    movers = ("copy_", "to", "_to_copy", "contiguous", "cat", "clone", "index", "index_put_", "gather", "sum",
+              "mul", "add", "where", "float", "reshape", "masked_fill", "scatter", "fill_", "zero_", "mean", "square")
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        name = ev.key.replace("aten::", "")
+        cuda_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if name in movers and cuda_us > 100:
+            rows.append(dict(op=ev.key, shapes=str(ev.input_shapes)[:160], calls=ev.count, cuda_ms=cuda_us / 1e3))
+    rows.sort(key=lambda r: -r["cuda_ms"])
+    for r in rows[:30]:
+        print(f"  {r['cuda_ms']:7.3f} ms {r['calls']:4d}x {r['op']:<18} {r['shapes']}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows[:60]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+    ap.add_argument("--only", default="attention,moe,mhc,copies")
+    args = ap.parse_args()
+    device = "cuda:0"
+    g = torch.Generator(device=device).manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(0)}
+    parts = args.only.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("copies", None)):
+        if part not in parts:
+            continue
+        print(f"== {part}", flush=True)
+        res[part] = prefill_copies(device) if part == "copies" else fn(device, g)
+        (args.out / "kernel_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
