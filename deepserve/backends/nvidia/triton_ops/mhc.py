@@ -132,11 +132,12 @@ def _hc_post_kernel(
 def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
-    (`_hc_mix_kernel`), summed by `_hc_pre_kernel`: fp32 FMA products for up to `SMALL_MIX_TOKENS` tokens, the
-    three-term bf16 split on tensor cores for more (FMA products cost an 8K prefill 28 ms, cuBLAS's fp32 GEMM
-    and the cast of the streams to fp32 8 ms: bench/gpu_notes.md, runs 10, 11 and 15); cuBLAS for fp16/fp32
-    streams of more tokens. Then one program per token divides it by the streams' RMS, projects and
-    collapses."""
+    (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
+    cores at every T (bench/gpu_notes.md, runs 10, 11, 15 and 16: FMA products cost an 8K prefill 28 ms, cuBLAS's
+    fp32 GEMM and the cast of the streams to fp32 8 ms, and a decode step's mix 17.5 us against 9.6); fp32/fp16
+    streams take fp32 FMA products up to `SMALL_MIX_TOKENS` tokens, cuBLAS above. Then one program per token
+    divides the mix by the streams' RMS, projects and collapses.
+    """
     T, n, D = streams.shape
     streams = streams.contiguous()
     weight, fn = fn, fn.float().contiguous()
@@ -147,8 +148,8 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         return x, post, comb
     K, nout = n * D, fn.shape[0]
     block_o = triton.next_power_of_2(max(nout, 16))
-    if split is None:  # (bench/kernel_sweep.py forces either way)
-        split = T > SMALL_MIX_TOKENS
+    if split is None:  # the split at every T (bench/kernel_sweep.py, run 16: 9.6 us against 17.5 at one token)
+        split = True
     split = split and streams.dtype == torch.bfloat16
     if T <= SMALL_MIX_TOKENS or split:
         block_t, block_k = (64, 64) if split else (16, 64)
