@@ -147,6 +147,7 @@ def build(cfg_dict: dict, backend, dtype, seed=0):
     cfg = ModelConfig.from_dict(cfg_dict)
     model = build_model(cfg, backend, dtype)
     randomize_on_device(model, seed)
+    model.share_projection_inputs()  # as load_model does
     return model
 
 

@@ -47,6 +47,16 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.compressor = None if layer_type == SLIDING else Compressor(cfg, backend, layer_type, inv_freq.clone())
 
+    def input_projections(self) -> list:
+        """The projections of this layer's normed input (one GEMM once grouped: `common.SharedInput`)."""
+        out = [self.q_a_proj, self.kv_proj]
+        c = self.compressor
+        if c is not None:
+            out += [c.kv_proj, c.gate_proj]
+            if c.indexer is not None:
+                out += [c.indexer.kv_proj, c.indexer.gate_proj, c.indexer.scorer.weights_proj]
+        return out
+
     def state_spec(self) -> LayerStateSpec:
         c = self.compressor
         return LayerStateSpec(

@@ -77,12 +77,10 @@ def make_batch(
         rows = [n - 1] if logits_rows is None else list(logits_rows[i])
         want.extend(offset + r for r in rows)
         offset += n
-    return ForwardBatch(
-        token_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
-        chunks=tuple(chunks),
-        logits_indices=torch.tensor(want, dtype=torch.long, device=device),
-    )
+    # one host-to-device copy for the three index tensors (each copy from pageable memory waits for the device)
+    n = len(ids)
+    flat = torch.tensor(ids + pos + want, dtype=torch.long).to(device)
+    return ForwardBatch(token_ids=flat[:n], positions=flat[n : 2 * n], chunks=tuple(chunks), logits_indices=flat[2 * n :])
 
 
 def select_chunks(batch: ForwardBatch, which: Sequence[int], logits_rows: Sequence[Sequence[int]]) -> ForwardBatch:

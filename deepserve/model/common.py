@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -24,10 +26,66 @@ class Linear(nn.Module):
         super().__init__()
         self.backend = backend
         self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+        self.shared: SharedInput | None = None  # set by `SharedInput`: this projection's GEMM is the group's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared.columns(self, x)
         lead = x.shape[:-1]
         return self.backend.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*lead, -1)
+
+
+class SharedInput:
+    """Projections that read the same input, multiplied as one GEMM over their weights stacked by rows.
+
+    A decode step multiplies one to 64 rows; cuBLAS then spends a launch (and often a split-K reduction) per
+    projection, whatever its size, so a CSA layer's seven projections of its normed input (q_a, kv, the
+    compressor's and the indexer's kv and gate, the indexer's head weights) cost seven GEMMs where one will do.
+    The members keep their parameters (now views into the stacked weight, so loading into them still works)
+    and their call sites: the first member called on an input runs the group's GEMM, each member then takes its
+    columns of that output, and once every member has taken its part the output is let go. A member called on
+    another input, or twice on one, runs the GEMM again: slower, never wrong.
+    """
+
+    def __init__(self, backend: Backend, members: list[Linear]) -> None:
+        self.backend = backend
+        self.weight = torch.cat([m.weight.data for m in members])
+        self.spans: dict[Linear, tuple[int, int]] = {}
+        start = 0
+        for m in members:
+            n = m.weight.shape[0]
+            m.weight.data = self.weight[start : start + n]
+            self.spans[m] = (start, start + n)
+            m.shared = self
+            start += n
+        self._input: weakref.ref | None = None
+        self._output: torch.Tensor | None = None
+        self._waiting: set[Linear] = set()
+
+    def columns(self, member: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._input is None or self._input() is not x or member not in self._waiting:
+            self._output = self.backend.linear(x.reshape(-1, x.shape[-1]), self.weight)
+            self._input, self._waiting = weakref.ref(x), set(self.spans)
+        a, b = self.spans[member]
+        out = self._output[:, a:b].view(*x.shape[:-1], b - a)
+        self._waiting.discard(member)
+        if not self._waiting:
+            self._input = self._output = None
+        return out
+
+
+_STACKABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def share_input(backend: Backend, members: list[Linear]) -> SharedInput | None:
+    """Group `members` (see `SharedInput`) when they can be stacked: plain weights of one dtype and device and
+    the same input width, none in a group already. Returns the group, or None."""
+    weights = [m.weight for m in members]
+    if len(members) < 2 or any(m.shared is not None for m in members):
+        return None
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or weights[0].dtype not in _STACKABLE:
+        return None
+    return SharedInput(backend, members)
 
 
 def linear(backend: Backend, in_features: int, out_features: int) -> Linear:

@@ -56,8 +56,10 @@ class _Bucket:
     """One bucket's input buffers, its static batch and (when captured) its graph and the outputs it writes."""
 
     meta: torch.Tensor  # [rows, 2 + pages] int64: position, slot, block table (padded with the trash page)
+    host_meta: torch.Tensor  # its staging copy on the host (pinned on CUDA, so the copy does not wait)
     tokens: torch.Tensor  # [rows] int64
     batch: ForwardBatch
+    copied: torch.cuda.Event | None = None  # recorded after the last copy out of host_meta
     graph: torch.cuda.CUDAGraph | None = None
     output: ForwardOutput | None = None
 
@@ -90,6 +92,7 @@ class DecodeGraphs:
         # a compressed layer, whose state reads the sequence's block table (None: a window-only model)
         self._table_layer = self._streams[0][0] if self._streams else None
         self.capture_seconds = 0.0
+        self._counters: dict[int, tuple] = {}  # id(state) -> (state, its row counters): `_row_counters`
 
     def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
         """Whether this step can run as a static forward: one new token per sequence, every sequence paged in
@@ -120,10 +123,18 @@ class DecodeGraphs:
             if self._table_layer is not None and c.end > len(table) * page_size:
                 raise RuntimeError(f"block table holds {len(table)} pages, too few for position {c.start}")
         bucket = self._buckets.get((rows, P)) or self._make_bucket(rows, P)
-        pad = [0, self.cache.pad_slot] + [self.cache.trash_page] * P
-        meta = [[c.start, st.layers[0].slot] + t + [self.cache.trash_page] * (P - len(t))
-                for c, st, t in zip(chunks, states, tables)] + [pad] * (rows - B)
-        bucket.meta.copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        if bucket.copied is not None:
+            bucket.copied.synchronize()  # the previous step's copy has left the staging buffer
+        meta = bucket.host_meta.numpy()
+        meta[:B, 0] = [c.start for c in chunks]
+        meta[:B, 1] = [st.layers[0].slot for st in states]
+        meta[:, 2:] = self.cache.trash_page
+        meta[B:, 0], meta[B:, 1] = 0, self.cache.pad_slot  # padding rows (a bigger step may have used them)
+        for i, t in enumerate(tables):
+            meta[i, 2 : 2 + len(t)] = t
+        bucket.meta.copy_(bucket.host_meta, non_blocking=True)
+        if bucket.copied is not None:
+            bucket.copied.record()
         bucket.tokens[:B].copy_(batch.token_ids)
         if bucket.graph is not None:
             bucket.graph.replay()
@@ -131,11 +142,23 @@ class DecodeGraphs:
         else:
             output = self.model(bucket.batch, [])
         for c, st in zip(chunks, states):  # what the graph leaves to the host: the row and token counts
-            for layer, name, ratio in self._streams:
-                getattr(st.layers[layer], name).rows.num_rows = c.end // ratio
-            st.num_tokens = c.end
+            end = c.end
+            for rows_of, ratio in self._row_counters(st):
+                rows_of.num_rows = end // ratio
+            st.num_tokens = end
         self._snapshots(chunks, states)
         return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
+
+    def _row_counters(self, st: SequenceState) -> list[tuple]:
+        """(rows, ratio) of each compressed stream of a sequence: the counts the host advances after a step."""
+        key = id(st)
+        entry = self._counters.get(key)
+        if entry is None or entry[0] is not st:
+            if len(self._counters) >= 4 * self.batch_buckets[-1]:  # forget finished sequences
+                self._counters.clear()
+            entry = self._counters[key] = (st, [(getattr(st.layers[layer], name).rows, ratio)
+                                                for layer, name, ratio in self._streams])
+        return entry[1]
 
     def _snapshots(self, chunks, states) -> None:
         """The prefix-hit snapshots of the pages that this step's tokens ended, as `Attention._snapshot_windows`
@@ -156,16 +179,18 @@ class DecodeGraphs:
 
     def _make_bucket(self, rows: int, pages: int) -> _Bucket:
         cache, device = self.cache, self.device
-        meta = torch.zeros((rows, 2 + pages), dtype=torch.long, device=device)
-        meta[:, 1] = cache.pad_slot
-        meta[:, 2:] = cache.trash_page
+        host_meta = torch.zeros((rows, 2 + pages), dtype=torch.long, pin_memory=device.type == "cuda")
+        host_meta[:, 1] = cache.pad_slot  # padding rows keep these
+        host_meta[:, 2:] = cache.trash_page
+        meta = host_meta.to(device)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         arange = torch.arange(rows, device=device)
         layout = PagedLayout(slot=meta[:, 1:2], chunk_start=meta[:, 0:1], chunk_offset=arange[:, None],
                              tables=meta[:, 2:], query_tables=meta[:, 2:])
         static = StaticDecode(cache.layers, layout, cache.pad_slot, cache.trash_page)
         batch = ForwardBatch(token_ids=tokens, positions=meta[:, 0], chunks=(), logits_indices=arange, static=static)
-        bucket = self._buckets[(rows, pages)] = _Bucket(meta, tokens, batch)
+        copied = torch.cuda.Event() if device.type == "cuda" else None
+        bucket = self._buckets[(rows, pages)] = _Bucket(meta, host_meta, tokens, batch, copied=copied)
         if self.capture:
             began = time.perf_counter()
             self._capture(bucket)

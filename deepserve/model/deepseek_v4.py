@@ -16,10 +16,12 @@ from torch import nn
 from deepserve.core.config import ModelConfig
 from deepserve.core.interfaces import Backend
 
+from .attention import Attention
 from .batch import ForwardBatch, check_states
-from .common import NormWeight, linear
+from .common import NormWeight, linear, share_input
 from .decoder import DecoderLayer
 from .mhc import HyperHead
+from .moe import SharedExpert
 from .mtp import MTPBlock
 from .state import LayerStateSpec, SequenceState, contiguous_state
 
@@ -97,6 +99,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self._head_fp32 = (key, weight.detach().float())
             weight = self._head_fp32[1]
         return self.backend.linear(hidden.float(), weight)
+
+    def share_projection_inputs(self) -> int:
+        """Stack the projections that read the same input into one GEMM each (`common.SharedInput`): every
+        attention layer's projections of its normed input, every shared expert's gate and up. Call once the
+        weights are in. Returns how many groups were made."""
+        groups = [share_input(self.backend, m.input_projections()) for m in self.modules()
+                  if isinstance(m, (Attention, SharedExpert))]
+        return sum(g is not None for g in groups)
 
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
         """Run the new tokens of every sequence, update their states in place, return logits for

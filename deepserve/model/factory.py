@@ -47,6 +47,7 @@ def load_model(
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     model = build_model(cfg, backend, torch_dtype)
     load_weights(model, state)
+    model.share_projection_inputs()
     return model
 
 

@@ -59,6 +59,10 @@ class SharedExpert(nn.Module):
         self.down_proj = linear(backend, I, D)
         self.backend, self.limit = backend, cfg.swiglu_limit
 
+    def input_projections(self) -> list:
+        """gate and up read the same input (one GEMM once grouped: `common.SharedInput`)."""
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 

@@ -17,7 +17,8 @@ def save_checkpoint(model: DeepseekV4ForCausalLM, path: str | os.PathLike) -> Pa
     """Tensors under their canonical (HF in-memory) names, which transformers and deepserve both load."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # copies: projections that share an input are views into one stacked weight (`common.SharedInput`)
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = model_config_to_hf_dict(model.cfg)
     config["torch_dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
