@@ -9,6 +9,7 @@
 2. `moe_experts` (the two grouped GEMMs) at 8,192, 64 and 1 tokens (top-6 of 32 experts, hidden 4096,
    intermediate 2048) for fixed tiles against the autotuned pick.
 3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
+5. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
 4. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
    casts and concatenations the step makes and what they cost.
 
@@ -217,6 +218,47 @@ def prefill_copies(device) -> list[dict]:
     return rows[:60]
 
 
+@torch.no_grad()
+def prefill_syncs(device) -> list[dict]:
+    """Where an 8K prefill makes the host wait for the GPU (torch's sync debug mode): each such point drains the
+    launch queue, and the GPU then idles while the host issues the next kernels."""
+    import traceback
+    import warnings
+
+    from bench.gpu import V4_FLASH_LAYER, build
+    from deepserve.backends.nvidia import NvidiaBackend
+    from deepserve.model.batch import make_batch
+
+    model = build(V4_FLASH_LAYER, NvidiaBackend(device), torch.bfloat16)
+    ids = torch.randint(2, 129280, (8192,)).tolist()
+    model(make_batch([ids], [0], device), [model.make_state()])
+    torch.cuda.synchronize()
+    sites: dict[str, int] = {}
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "deepserve" in f.filename and "bench" not in f.filename]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-1:-4:-1]) or f"{filename}:{lineno}"
+        sites[key] = sites.get(key, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            model(make_batch([ids], [0], device), [model.make_state()])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = original
+    rows = [dict(site=k, count=v) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
+    for r in rows[:25]:
+        print(f"  {r['count']:4d}x {r['site']}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
@@ -227,11 +269,15 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(0)}
     parts = args.only.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
-    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("copies", None)):
+    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("copies", None),
+                     ("syncs", None)):
         if part not in parts:
             continue
         print(f"== {part}", flush=True)
-        res[part] = prefill_copies(device) if part == "copies" else fn(device, g)
+        if part in ("copies", "syncs"):
+            res[part] = (prefill_copies if part == "copies" else prefill_syncs)(device)
+        else:
+            res[part] = fn(device, g)
         (args.out / "kernel_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
 
 
