@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,20 +30,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu import events as gpu_events  # noqa: E402
+
 
 def events(fn, repeats=20, warmup=3) -> float:
-    """Median milliseconds of `fn()` between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    """Median milliseconds of `fn()` between CUDA events (`bench/gpu.py`'s timer)."""
+    return 1e3 * gpu_events(fn, repeats=repeats, warmup=warmup)
 
 
 def attention_case(name: str, T: int, window: int, compressed: int, pool_extra: int, device, g):
