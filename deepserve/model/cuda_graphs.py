@@ -92,7 +92,6 @@ class DecodeGraphs:
         # a compressed layer, whose state reads the sequence's block table (None: a window-only model)
         self._table_layer = self._streams[0][0] if self._streams else None
         self.capture_seconds = 0.0
-        self._counters: dict[int, tuple] = {}  # id(state) -> (state, its row counters): `_row_counters`
 
     def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
         """Whether this step can run as a static forward: one new token per sequence, every sequence paged in
@@ -142,23 +141,11 @@ class DecodeGraphs:
         else:
             output = self.model(bucket.batch, [])
         for c, st in zip(chunks, states):  # what the graph leaves to the host: the row and token counts
-            end = c.end
-            for rows_of, ratio in self._row_counters(st):
-                rows_of.num_rows = end // ratio
-            st.num_tokens = end
+            for layer, name, ratio in self._streams:
+                getattr(st.layers[layer], name).rows.num_rows = c.end // ratio
+            st.num_tokens = c.end
         self._snapshots(chunks, states)
         return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
-
-    def _row_counters(self, st: SequenceState) -> list[tuple]:
-        """(rows, ratio) of each compressed stream of a sequence: the counts the host advances after a step."""
-        key = id(st)
-        entry = self._counters.get(key)
-        if entry is None or entry[0] is not st:
-            if len(self._counters) >= 4 * self.batch_buckets[-1]:  # forget finished sequences
-                self._counters.clear()
-            entry = self._counters[key] = (st, [(getattr(st.layers[layer], name).rows, ratio)
-                                                for layer, name, ratio in self._streams])
-        return entry[1]
 
     def _snapshots(self, chunks, states) -> None:
         """The prefix-hit snapshots of the pages that this step's tokens ended, as `Attention._snapshot_windows`
