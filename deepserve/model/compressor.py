@@ -136,10 +136,7 @@ class _Pooler(nn.Module):
             snapshots += [(len(closing), page) for _, page in chunk.snapshots]
             closing.append((chunk.offset, slot, first, rows.table[first // rows.per_page], first % rows.per_page))
             rows.num_rows = first + 1
-        if opening:
-            row, slot, held = torch.tensor(opening, dtype=torch.long, device=device).unbind(1)
-            pools.open_kv.index_put_((slot, held), kv[row])
-            pools.open_gate.index_put_((slot, held), gate[row])
+        self._write_open(pools, opening, kv, gate)
         if not closing:
             return
         row, slot, first, page, in_page = torch.tensor(closing, dtype=torch.long, device=device).unbind(1)
@@ -147,6 +144,15 @@ class _Pooler(nn.Module):
         block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[row][:, None]), dim=1)
         self._snapshot_overlap(pools, block_kv, block_gate, snapshots)
         self._close_blocks(pools, block_kv, block_gate, first, slot, slot, page, in_page)
+
+    @staticmethod
+    def _write_open(pools, entries: list[tuple[int, int, int]], kv, gate) -> None:
+        """Rows of the new open blocks into the pool's frontier, one scatter each for kv and gate: `entries` lists
+        (row of `kv`/`gate`, slot, position in the block)."""
+        if entries:
+            row, slot, held = torch.tensor(entries, dtype=torch.long, device=kv.device).unbind(1)
+            pools.open_kv.index_put_((slot, held), kv[row])
+            pools.open_gate.index_put_((slot, held), gate[row])
 
     def _close_blocks(self, pools, block_kv, block_gate, first, slot, prev_slot, page, in_page) -> None:
         """Turn closing blocks ([B, ratio, frontier width], the `first`-th row of their sequences, in `slot`) into
@@ -233,10 +239,7 @@ class _Pooler(nn.Module):
             if states[i].journal is not None:
                 chunk = batch.chunks[i]
                 states[i].record(chunk.start - chunk.start % m, f_kv[base : base + n], f_gate[base : base + n])
-        if opens:
-            at, slot_o, r = torch.tensor(opens, dtype=torch.long, device=device).unbind(1)
-            pools.open_kv.index_put_((slot_o, r), f_kv[at])
-            pools.open_gate.index_put_((slot_o, r), f_gate[at])
+        self._write_open(pools, opens, f_kv, f_gate)
         if not blocks:
             return
         base, c, slot, has_prev, first_row, page, in_page = \
