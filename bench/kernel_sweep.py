@@ -1,17 +1,17 @@
-"""Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors.
+"""Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,copies]
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,copies,syncs]   (default: all but syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
    + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
    queries with 640 keys each. Every tile choice (heads per program, keys per block, warps, stages) is checked
-   against the default choice's output, then timed with CUDA events (median of 20).
+   against the default choice's output, then timed with CUDA events (median of 10; the default's of 20).
 2. `moe_experts` (the two grouped GEMMs) at 8,192, 64 and 1 tokens (top-6 of 32 experts, hidden 4096,
    intermediate 2048) for fixed tiles against the autotuned pick.
 3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
-5. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
 4. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
    casts and concatenations the step makes and what they cost.
+5. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
 
 Prints a table per part; writes kernel_sweep.json into --out ($OUT when set).
 """
@@ -36,6 +36,30 @@ from bench.gpu import events as gpu_events  # noqa: E402
 def events(fn, repeats=20, warmup=3) -> float:
     """Median milliseconds of `fn()` between CUDA events (`bench/gpu.py`'s timer)."""
     return 1e3 * gpu_events(fn, repeats=repeats, warmup=warmup)
+
+
+def sweep_tiles(name: str, run, grid: list[dict]) -> dict:
+    """`run(tiles)` for every tile choice in `grid` against `run(None)` (the kernel's own choice): each output's
+    relative error to the default's (a choice 1e-2 or further off counts as wrong), then its median time. A choice
+    that does not compile (shared memory, registers) is counted as failed. The five fastest right ones."""
+    ref = run(None)
+    base = events(lambda: run(None))
+    results = []
+    for tiles in grid:
+        try:
+            out = run(tiles)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = events(lambda: run(tiles), repeats=10)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+            results.append(dict(tiles=tiles, error=str(e)[:120]))
+            continue
+        results.append(dict(tiles=tiles, ms=ms, rel_err=err))
+    ok = sorted((r for r in results if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
+    best = ok[0] if ok else None
+    print(f"  {name:<34} default {base:8.3f} ms   best {best['ms'] if best else float('nan'):8.3f} ms "
+          f"{best['tiles'] if best else ''}", flush=True)
+    return dict(default_ms=base, best=ok[:5], failed=sum("error" in r for r in results),
+                wrong=sum(1 for r in results if r.get("rel_err", 0) >= 1e-2))
 
 
 def attention_case(name: str, T: int, window: int, compressed: int, pool_extra: int, device, g):
@@ -80,24 +104,8 @@ def sweep_attention(device, g) -> list[dict]:
     rows = []
     for case in cases:
         q, pool, idx, sinks = case["q"], case["pool"], case["indices"], case["sinks"]
-        ref = attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5)
-        base = events(lambda: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5))
-        results = []
-        for tiles in grid:
-            try:
-                out = attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                ms = events(lambda: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles), repeats=10)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-                results.append(dict(tiles=tiles, error=str(e)[:120]))
-                continue
-            results.append(dict(tiles=tiles, ms=ms, rel_err=err))
-        ok = sorted((r for r in results if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
-        rows.append(dict(case=case["name"], default_ms=base, best=ok[:5], failed=sum("error" in r for r in results),
-                         wrong=sum(1 for r in results if r.get("rel_err", 0) >= 1e-2)))
-        best = ok[0] if ok else None
-        print(f"  {case['name']:<34} default {base:8.3f} ms   best {best['ms'] if best else float('nan'):8.3f} ms "
-              f"{best['tiles'] if best else ''}", flush=True)
+        rows.append(dict(case=case["name"], **sweep_tiles(
+            case["name"], lambda tiles: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles), grid)))
         del case
         torch.cuda.empty_cache()
     return rows
@@ -118,24 +126,9 @@ def sweep_moe(device, g) -> list[dict]:
         x = torch.randn(T, D, device=device, dtype=torch.bfloat16, generator=g)
         ids = torch.rand(T, E, device=device, generator=g).argsort(1)[:, :k].contiguous()
         wts = torch.rand(T, k, device=device, generator=g)
-        ref = moe.moe_experts(x, ids, wts, w13, w2, 10.0)
-        base = events(lambda: moe.moe_experts(x, ids, wts, w13, w2, 10.0))
-        results = []
-        for bm, tiles in itertools.product(block_ms, tile_grid):
-            t = dict(tiles, block_m=bm)
-            try:
-                out = moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=t)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                ms = events(lambda: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=t), repeats=10)
-            except Exception as e:  # noqa: BLE001
-                results.append(dict(tiles=t, error=str(e)[:120]))
-                continue
-            results.append(dict(tiles=t, ms=ms, rel_err=err))
-        ok = sorted((r for r in results if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
-        rows.append(dict(tokens=T, default_ms=base, best=ok[:5], failed=sum("error" in r for r in results)))
-        best = ok[0] if ok else None
-        print(f"  moe T={T:<6} default {base:8.3f} ms   best {best['ms'] if best else float('nan'):8.3f} ms "
-              f"{best['tiles'] if best else ''}", flush=True)
+        grid = [dict(tiles, block_m=bm) for bm, tiles in itertools.product(block_ms, tile_grid)]
+        rows.append(dict(tokens=T, **sweep_tiles(
+            f"moe T={T}", lambda tiles: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=tiles), grid)))
     return rows
 
 
@@ -174,9 +167,8 @@ def sweep_mhc(device, g) -> list[dict]:
     return rows
 
 
-@torch.no_grad()
-def prefill_copies(device) -> list[dict]:
-    """An 8K prefill of the benchmark's model under the profiler: the ops that move memory, by input shape."""
+def prefill_8k(device):
+    """One sequence's 8K prefill of bench/gpu.py's model, as a function (run once here, compiling the kernels)."""
     from bench.gpu import V4_FLASH_LAYER, build
     from deepserve.backends.nvidia import NvidiaBackend
     from deepserve.model.batch import make_batch
@@ -188,6 +180,13 @@ def prefill_copies(device) -> list[dict]:
         model(make_batch([ids], [0], device), [model.make_state()])
     run()
     torch.cuda.synchronize()
+    return run
+
+
+@torch.no_grad()
+def prefill_copies(device) -> list[dict]:
+    """An 8K prefill of the benchmark's model under the profiler: the ops that move memory, by input shape."""
+    run = prefill_8k(device)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -204,7 +203,7 @@ def prefill_copies(device) -> list[dict]:
     rows.sort(key=lambda r: -r["cuda_ms"])
     for r in rows[:30]:
         print(f"  {r['cuda_ms']:7.3f} ms {r['calls']:4d}x {r['op']:<18} {r['shapes']}", flush=True)
-    del model
+    del run
     torch.cuda.empty_cache()
     return rows[:60]
 
@@ -216,14 +215,7 @@ def prefill_syncs(device) -> list[dict]:
     import traceback
     import warnings
 
-    from bench.gpu import V4_FLASH_LAYER, build
-    from deepserve.backends.nvidia import NvidiaBackend
-    from deepserve.model.batch import make_batch
-
-    model = build(V4_FLASH_LAYER, NvidiaBackend(device), torch.bfloat16)
-    ids = torch.randint(2, 129280, (8192,)).tolist()
-    model(make_batch([ids], [0], device), [model.make_state()])
-    torch.cuda.synchronize()
+    run = prefill_8k(device)
     sites: dict[str, int] = {}
     original = warnings.showwarning
 
@@ -238,14 +230,14 @@ def prefill_syncs(device) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
-            model(make_batch([ids], [0], device), [model.make_state()])
+            run()
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = original
     rows = [dict(site=k, count=v) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
     for r in rows[:25]:
         print(f"  {r['count']:4d}x {r['site']}", flush=True)
-    del model
+    del run
     torch.cuda.empty_cache()
     return rows
 
