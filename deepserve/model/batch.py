@@ -80,7 +80,8 @@ def make_batch(
     # one host-to-device copy for the three index tensors (each copy from pageable memory waits for the device)
     n = len(ids)
     flat = torch.tensor(ids + pos + want, dtype=torch.long).to(device)
-    return ForwardBatch(token_ids=flat[:n], positions=flat[n : 2 * n], chunks=tuple(chunks), logits_indices=flat[2 * n :])
+    return ForwardBatch(token_ids=flat[:n], positions=flat[n : 2 * n], chunks=tuple(chunks),
+                        logits_indices=flat[2 * n :])
 
 
 def select_chunks(batch: ForwardBatch, which: Sequence[int], logits_rows: Sequence[Sequence[int]]) -> ForwardBatch:

@@ -96,7 +96,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
     _rope_kernel[(T, triton.cdiv(M, block_m))](
         x3, positions, freq, o3, M, d, half, positions.stride(0), x3.stride(0), x3.stride(1), o3.stride(0),
-        o3.stride(1), INVERSE=inverse, COPY_NOPE=out.data_ptr() != x3.data_ptr(), BLOCK_M=block_m, BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
+        o3.stride(1), INVERSE=inverse, COPY_NOPE=out.data_ptr() != x3.data_ptr(), BLOCK_M=block_m,
+        BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4,
     )
     return out
