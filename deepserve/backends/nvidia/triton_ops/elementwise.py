@@ -38,7 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
         block_r = max(1, 4096 // block)  # not from R: a tile per row count would compile per batch size
         _rms_norm_kernel[(triton.cdiv(R, block_r),)](
             x2, weight if weight is not None else x2, o2, R, C, float(eps), x2.stride(0), o2.stride(0),
-            HAS_W=weight is not None, BLOCK_R=block_r, BLOCK_C=block, num_warps=min(16, max(1, block * block_r // 256)),
+            HAS_W=weight is not None, BLOCK_R=block_r, BLOCK_C=block,
+            num_warps=min(16, max(1, block * block_r // 256)),
         )
     return out
 
