@@ -409,7 +409,7 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
                     kp = kernel_profile(graph.replay)
                     out["decode_graphs"][key].update(
                         replay_ms=1e3 * events(graph.replay, repeats=20), graph_kernels=kp["num_kernels"],
-                        graph_busy_ms=1e3 * kp["gpu_busy_seconds"], graph_top=kp["top"][:15])
+                        graph_busy_ms=1e3 * kp["gpu_busy_seconds"], graph_top=kp["top"][:40])
                     print(f"    replay {out['decode_graphs'][key]['replay_ms']:.3f} ms GPU, {kp['num_kernels']} kernels,"
                           f" busy {1e3 * kp['gpu_busy_seconds']:.3f} ms", flush=True)
                     for k in kp["top"][:15]:

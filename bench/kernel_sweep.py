@@ -1,6 +1,6 @@
 """Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,copies,syncs]   (default: all but syncs)
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,rope,copies,syncs]   (default: all but syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
    + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
@@ -9,9 +9,10 @@
 2. `moe_experts` (the two grouped GEMMs) at 8,192, 64 and 1 tokens (top-6 of 32 experts, hidden 4096,
    intermediate 2048) for fixed tiles against the autotuned pick.
 3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
-4. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
+4. `apply_rope` in place at an 8K prefill's and a decode step's shapes: tokens and rows per program, warps.
+5. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
    casts and concatenations the step makes and what they cost.
-5. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
+6. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
 
 Prints a table per part; writes kernel_sweep.json into --out ($OUT when set).
 """
@@ -38,18 +39,22 @@ def events(fn, repeats=20, warmup=3) -> float:
     return 1e3 * gpu_events(fn, repeats=repeats, warmup=warmup)
 
 
-def sweep_tiles(name: str, run, grid: list[dict]) -> dict:
+def sweep_tiles(name: str, run, grid: list[dict], check=None, graph: bool = False) -> dict:
     """`run(tiles)` for every tile choice in `grid` against `run(None)` (the kernel's own choice): each output's
     relative error to the default's (a choice 1e-2 or further off counts as wrong), then its median time. A choice
-    that does not compile (shared memory, registers) is counted as failed. The five fastest right ones."""
-    ref = run(None)
-    base = events(lambda: run(None))
+    that does not compile (shared memory, registers) is counted as failed. The five fastest right ones. `check`:
+    what gives the outputs to compare, when `run` works in place (and so cannot be run twice on one input).
+    `graph`: time each choice inside a CUDA graph (`graphed`: decode-sized calls, whose launch is most of them)."""
+    check = check or run
+    ref = check(None)
+    timer = (lambda fn, repeats=20: graphed(fn)) if graph else events
+    base = timer(lambda: run(None))
     results = []
     for tiles in grid:
         try:
-            out = run(tiles)
+            out = check(tiles)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = events(lambda: run(tiles), repeats=10)
+            ms = timer(lambda: run(tiles), repeats=10)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
             results.append(dict(tiles=tiles, error=str(e)[:120]))
             continue
@@ -89,7 +94,7 @@ def attention_case(name: str, T: int, window: int, compressed: int, pool_extra: 
     return dict(name=name, q=q, pool=pool, indices=indices, sinks=sinks)
 
 
-def sweep_attention(device, g) -> list[dict]:
+def sweep_attention(device, g, only: str = "") -> list[dict]:
     from deepserve.backends.nvidia.triton_ops import attention
 
     cases = [
@@ -101,11 +106,17 @@ def sweep_attention(device, g) -> list[dict]:
     ]
     grid = [dict(block_h=h, block_n=n, num_warps=w, num_stages=s)
             for (h, w), n, s in itertools.product(((32, 4), (32, 8), (64, 8), (64, 16)), (16, 32, 64), (1, 2, 3))]
+    cases = [c for c in cases if only in c["name"]]
+    # decode: the key range split over programs (then merged) as well, timed inside CUDA graphs
+    decode_grid = [dict(block_h=h, block_n=n, num_warps=w, num_stages=2, splits=p)
+                   for h, n, w, p in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 4, 8, 16))]
     rows = []
     for case in cases:
         q, pool, idx, sinks = case["q"], case["pool"], case["indices"], case["sinks"]
+        decode = q.shape[0] <= 64
         rows.append(dict(case=case["name"], **sweep_tiles(
-            case["name"], lambda tiles: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles), grid)))
+            case["name"], lambda tiles: attention.sparse_mqa(q, pool, idx, sinks, 512**-0.5, tiles=tiles),
+            decode_grid if decode else grid, graph=decode)))
         del case
         torch.cuda.empty_cache()
     return rows
@@ -129,6 +140,32 @@ def sweep_moe(device, g) -> list[dict]:
         grid = [dict(tiles, block_m=bm) for bm, tiles in itertools.product(block_ms, tile_grid)]
         rows.append(dict(tokens=T, **sweep_tiles(
             f"moe T={T}", lambda tiles: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=tiles), grid)))
+    return rows
+
+
+def sweep_rope(device, g) -> list[dict]:
+    """apply_rope in place at the model's shapes (an 8K prefill's queries and attention outputs [8192, 64, 512],
+    its indexer queries [8192, 64, 128], its keys [8192, 1, 512]; a decode step's queries at 1 and 64 tokens):
+    tokens and rows per program, and warps."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=device).float() / 64))
+    grid = [dict(block_t=t, block_m=m, num_warps=w)
+            for t, m, w in itertools.product((1, 4, 16, 32), (1, 4, 16, 64), (1, 2, 4)) if t * m <= 256]
+    rows = []
+    for T, M, d in ((8192, 64, 512), (8192, 64, 128), (8192, 1, 512), (64, 64, 512), (1, 64, 512)):
+        x = torch.randn(T, M, d, device=device, generator=g).to(torch.bfloat16)
+        work = x.clone()
+        positions = torch.randint(0, 8192, (T,), device=device, generator=g)
+
+        def check(tiles):
+            work.copy_(x)
+            return apply_rope(work, positions, inv_freq, inplace=True, tiles=tiles).clone()
+
+        rows.append(dict(shape=[T, M, d], **sweep_tiles(
+            f"rope [{T}, {M}, {d}] in place",
+            lambda tiles: apply_rope(work, positions, inv_freq, inplace=True, tiles=tiles), grid, check,
+            graph=T <= 64)))
     return rows
 
 
@@ -161,9 +198,14 @@ def sweep_mhc(device, g) -> list[dict]:
                 continue
             row["split" if split else "no_split"] = graphed(
                 lambda: mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, split=split))
+        if T in (1, 64, 8192):  # the split mix's column chunks and the collapse's programs per token
+            grid = [dict(parts=p, d_parts=q, num_warps=w) for p in (8, 32, 64, 128) for q in (1, 4, 16) for w in (1, 4)]
+            row["tiles"] = sweep_tiles(f"hc_pre T={T} tiles",
+                                       lambda tiles: mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6,
+                                                                tiles=tiles)[0], grid, graph=True)
         rows.append(row)
-        print(f"  hc_pre T={T:<5} " + "  ".join(f"{k} {v:.4f} ms" for k, v in row.items() if k != "tokens"),
-              flush=True)
+        times = "  ".join(f"{k} {v:.4f} ms" for k, v in row.items() if k not in ("tokens", "tiles"))
+        print(f"  hc_pre T={T:<5} {times}", flush=True)
     return rows
 
 
@@ -245,14 +287,16 @@ def prefill_syncs(device) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
-    ap.add_argument("--only", default="attention,moe,mhc,copies")
+    ap.add_argument("--only", default="attention,moe,mhc,rope,copies")
+    ap.add_argument("--cases", default="", help="attention: only the cases whose name holds this (e.g. decode)")
     args = ap.parse_args()
     device = "cuda:0"
     g = torch.Generator(device=device).manual_seed(0)
     res = {"device": torch.cuda.get_device_name(0)}
     parts = args.only.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
-    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("copies", None),
+    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("rope", sweep_rope),
+                     ("copies", None),
                      ("syncs", None)):
         if part not in parts:
             continue
@@ -260,7 +304,7 @@ def main() -> None:
         if part in ("copies", "syncs"):
             res[part] = (prefill_copies if part == "copies" else prefill_syncs)(device)
         else:
-            res[part] = fn(device, g)
+            res[part] = fn(device, g, args.cases) if part == "attention" else fn(device, g)
         (args.out / "kernel_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
 
 

@@ -138,14 +138,14 @@ def check_rms_norm(device, shape, weighted, dtype=torch.bfloat16, seed=0) -> flo
     return rel_err(out, ReferenceBackend(device).rms_norm(x.float(), w, 1e-6))
 
 
-def check_rope(device, T, H, d, rope_dim, max_pos, inverse, seed=0) -> float:
+def check_rope(device, T, H, d, rope_dim, max_pos, inverse, seed=0, tiles=None) -> float:
     from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
 
     g = gen(device, seed)
     x = randn((T, H, d), g, device)
     positions = torch.randint(0, max_pos, (T,), generator=g, device=device)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
-    out = apply_rope(x, positions, inv_freq, inverse, out=poisoned(x.shape, torch.bfloat16, device))
+    out = apply_rope(x, positions, inv_freq, inverse, out=poisoned(x.shape, torch.bfloat16, device), tiles=tiles)
     ref = ReferenceBackend(device).apply_rope(x.float(), positions, inv_freq, inverse)
     assert torch.equal(out[..., : d - rope_dim], x[..., : d - rope_dim]), "the unrotated dims changed"
     return rel_err(out, ref)
@@ -263,6 +263,23 @@ def test_hc(T):
     assert post < 1e-5 and comb < 1e-5  # fp32 throughout
 
 
+@pytest.mark.parametrize("T", [1, 300])  # 300: cuBLAS's fp32 mix, whose squares hc_pre sums itself
+def test_hc_pre_fp32(T):
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
+
+    g = gen(CUDA, T)
+    n, D = 4, 4096
+    streams = torch.randn((T, n, D), generator=g, device=CUDA)
+    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=CUDA) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=CUDA)
+    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=CUDA)
+    got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out=poisoned((T, D), torch.float32, CUDA))
+    want = ReferenceBackend(CUDA).hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    errs = [rel_err(a, b) for a, b in zip(got, want)]
+    print(f"hc_pre fp32 T={T}: {errs}")
+    assert max(errs) < 1e-5
+
+
 @pytest.mark.parametrize("shape,weighted", [((64, 64, 512), False), ((300, 4096), True), ((7, 1024), True)])
 def test_rms_norm(shape, weighted):
     err = check_rms_norm(CUDA, shape, weighted)
@@ -274,9 +291,10 @@ def test_rms_norm_fp32():
     assert check_rms_norm(CUDA, (37, 512), True, dtype=torch.float32) < 1e-5
 
 
+@pytest.mark.parametrize("H,tiles", [(64, None), (64, dict(block_t=2, block_m=64, num_warps=4)), (1, None)])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope(inverse):
-    err = check_rope(CUDA, 300, 64, 512, rope_dim=64, max_pos=32768, inverse=inverse)
+def test_rope(inverse, H, tiles):
+    err = check_rope(CUDA, 300, H, 512, rope_dim=64, max_pos=32768, inverse=inverse, tiles=tiles)
     print(f"rope inverse={inverse}: rel err {err:.2e}")
     assert err < BF16_TOL
 

@@ -101,6 +101,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
     block_n = 32 if d >= 256 else 64
     warps, stages = (8 if d >= 256 else 4), 2
+    few_queries = False
     if d >= 256 and q.element_size() == 2:
         # bench/kernel_sweep.py on the H200 (run 15), d = 512 bf16: 64 keys per block; all 64 heads in one program
         # once there are queries enough to fill the machine (each key row is read once per program, so a second
@@ -108,6 +109,8 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         block_n = 64
         if T * triton.cdiv(H, 64) >= 2 * _SMS:
             block_h = max(16, min(64, triton.next_power_of_2(H)))
+        elif T * triton.cdiv(H, 32) <= 8:  # a step of 1-4 queries: 16 heads a program, keys split 16 ways (run 20:
+            block_h, few_queries = 16, True  # a batch-1 step's 640 keys 16.8 -> 8.7 us; each program reads its keys)
     tiles = tiles or {}
     block_h, block_n = tiles.get("block_h", block_h), tiles.get("block_n", block_n)
     warps, stages = tiles.get("num_warps", warps), tiles.get("num_stages", stages)
@@ -115,6 +118,9 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     splits = 1
     if "splits" in tiles:
         splits = tiles["splits"]
+    elif few_queries:  # one key block a part (parts past the list's end stop at once)
+        while splits < min(16, triton.cdiv(K, block_n)):
+            splits *= 2
     elif programs <= 32:  # few queries: parts of at least 2 key blocks, up to about one program per multiprocessor
         most = min(-(-_SMS // programs), K // (2 * block_n), 16)
         while splits * 2 <= most:

@@ -45,44 +45,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, stride_pos, stride_xt, stride_xm, stride_ot, stride_om,
-                 INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0)
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, M, d, half, stride_pos, stride_xt, stride_xm, stride_ot,
+                 stride_om, INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """BLOCK_T tokens x BLOCK_M of their M rows, rotating the last 2 * half dims of each row in interleaved pairs:
+    each row's rotated dims load as one contiguous run, split into even and odd halves in registers (two strided
+    loads of the halves ran an 8K prefill's query rotation 6x slower: bench/kernel_sweep.py, runs 20 and 21)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
+    ok_tm = (t < T)[:, None, None] & (m < M)[None, :, None]
     nope = d - 2 * half
-    src = x_ptr + t.to(tl.int64) * stride_xt + m[:, None] * stride_xm
-    dst = out_ptr + t.to(tl.int64) * stride_ot + m[:, None] * stride_om
+    t64 = t.to(tl.int64)[:, None, None]
+    src = x_ptr + t64 * stride_xt + m[None, :, None] * stride_xm
+    dst = out_ptr + t64 * stride_ot + m[None, :, None] * stride_om
     if COPY_NOPE:  # out of place: the unrotated dims pass through (in place they are already there)
         for c0 in range(0, nope, BLOCK_NOPE):
-            c = c0 + tl.arange(0, BLOCK_NOPE)
-            ok = m_ok[:, None] & (c[None, :] < nope)
-            tl.store(dst + c[None, :], tl.load(src + c[None, :], mask=ok, other=0.0), mask=ok)
+            c = (c0 + tl.arange(0, BLOCK_NOPE))[None, None, :]
+            ok = ok_tm & (c < nope)
+            tl.store(dst + c, tl.load(src + c, mask=ok, other=0.0), mask=ok)
     i = tl.arange(0, BLOCK_HALF)
-    i_ok = i < half
     # the angle as torch forms it (fp32 position times fp32 frequency), then libdevice's cosf/sinf, which reduce
     # large angles exactly as torch's CUDA cos/sin do (the approximate instructions do not)
-    angle = tl.load(pos_ptr + t * stride_pos).to(tl.float32) * tl.load(freq_ptr + i, mask=i_ok, other=0.0)
-    cos = libdevice.cos(angle)[None, :]
-    sin = libdevice.sin(angle)[None, :]
+    pos = tl.load(pos_ptr + t * stride_pos, mask=t < T, other=0).to(tl.float32)
+    angle = pos[:, None] * tl.load(freq_ptr + i, mask=i < half, other=0.0)[None, :]  # [BLOCK_T, BLOCK_HALF]
+    cos = libdevice.cos(angle)[:, None, :]
+    sin = libdevice.sin(angle)[:, None, :]
     if INVERSE:
         sin = -sin
-    ok = m_ok[:, None] & i_ok[None, :]
-    even = tl.load(src + nope + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
-    odd = tl.load(src + nope + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
-    ty = out_ptr.dtype.element_ty
-    tl.store(dst + nope + 2 * i[None, :], (even * cos - odd * sin).to(ty), mask=ok)
-    tl.store(dst + nope + 2 * i[None, :] + 1, (odd * cos + even * sin).to(ty), mask=ok)
+    c = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
+    ok = ok_tm & (c < 2 * half)
+    x = tl.load(src + nope + c, mask=ok, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_M, BLOCK_HALF, 2)))
+    y = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_T, BLOCK_M, 2 * BLOCK_HALF))
+    tl.store(dst + nope + c, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
-               out: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, inplace: bool = False, tiles: dict | None = None) -> torch.Tensor:
     """x [T, ..., d]; rotates the last 2 * len(inv_freq) dims of every row by its token's position. `inplace`:
     rotate x itself (when its rows are views it can write) and touch only those dims: an 8K prefill's queries
-    are 537 MB, of which the rotated dims are an eighth. One program per token and 16 of its rows, the token's
-    cosines formed in it: two versions with 64 rows to a program (runs 17 and 18) ran 3-4x slower on the H200,
-    at decode and at prefill alike."""
+    are 537 MB, of which the rotated dims are an eighth. A program takes up to 64 rows of one token, its cosines
+    formed once for them (bench/kernel_sweep.py, run 21 on the H200: an 8K prefill's queries 0.51 -> 0.08 ms, its
+    keys 0.077 -> 0.046 ms). `tiles` (the sweep): block_t (tokens a program), block_m, num_warps."""
     T, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
     x3 = x.reshape(T, -1, d)
     if x3.stride(-1) != 1:
@@ -93,13 +97,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     M = x3.shape[1]
     if T == 0 or M == 0:
         return out
-    block_m = min(16, triton.next_power_of_2(M))
+    block_m = min(64, triton.next_power_of_2(M))
+    t = {"block_t": 1, "block_m": block_m, "num_warps": 2 if block_m >= 16 else 1, **(tiles or {})}
     freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
-    _rope_kernel[(T, triton.cdiv(M, block_m))](
-        x3, positions, freq, o3, M, d, half, positions.stride(0), x3.stride(0), x3.stride(1), o3.stride(0),
-        o3.stride(1), INVERSE=inverse, COPY_NOPE=out.data_ptr() != x3.data_ptr(), BLOCK_M=block_m,
-        BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
-        BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4,
+    _rope_kernel[(triton.cdiv(T, t["block_t"]), triton.cdiv(M, t["block_m"]))](
+        x3, positions, freq, o3, T, M, d, half, positions.stride(0), x3.stride(0), x3.stride(1), o3.stride(0),
+        o3.stride(1), INVERSE=inverse, COPY_NOPE=out.data_ptr() != x3.data_ptr(), BLOCK_T=t["block_t"],
+        BLOCK_M=t["block_m"], BLOCK_NOPE=max(16, min(512, triton.next_power_of_2(max(d - 2 * half, 1)))),
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=t["num_warps"],
     )
     return out
 

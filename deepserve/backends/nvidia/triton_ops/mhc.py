@@ -15,7 +15,9 @@ import triton.language as tl
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, stride_split, chunk,
                    BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """Partial sums of the flattened streams through `fn` ([T, n*D] x [NOUT, n*D]^T, fp32 products and sums) over
-    one chunk of the n*D columns: part[chunk, t, o]. Many chunks keep every multiprocessor busy at any T.
+    one chunk of the n*D columns: part[chunk, t, o], and in column NOUT the chunk's sum of squares (for the RMS
+    norm, so `_hc_pre_kernel` need not read the streams twice). Many chunks keep every multiprocessor busy at
+    any T.
 
     SPLIT: bf16 streams, and `fn` given as three bf16 terms [3, NOUT, n*D] whose sum is the fp32 `fn`
     (`split_bf16`): each term's products with a bf16 value are exact in fp32, so three bf16 tensor-core dots with
@@ -24,18 +26,21 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_
     ks = tl.program_id(1)
     o = tl.arange(0, BLOCK_O)
     acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+    squares = tl.zeros((BLOCK_T,), tl.float32)
     for k0 in range(ks * chunk, ks * chunk + chunk, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(streams_ptr + t[:, None] * stride_st + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :],
                     other=0.0)
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
         w_at = fn_ptr + o[None, :] * stride_fn + k[:, None]
         w_ok = (o < NOUT)[None, :] & (k < K)[:, None]
         if SPLIT:
             for term in tl.static_range(3):
                 acc = tl.dot(x, tl.load(w_at + term * stride_split, mask=w_ok, other=0.0), acc)
         else:
-            acc += tl.dot(x.to(tl.float32), tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32),
-                          input_precision="ieee")
+            acc += tl.dot(xf, tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32), input_precision="ieee")
+    acc += tl.where(o[None, :] == NOUT, squares[:, None], 0.0)
     tl.store(part_ptr + (ks * T + t)[:, None] * BLOCK_O + o[None, :], acc, mask=(t < T)[:, None])
 
 
@@ -62,30 +67,40 @@ def split_bf16(fn: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _hc_pre_kernel(
     mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-    D, iters, hc_eps, norm_eps,
+    D, iters, hc_eps, norm_eps, chunk,
     stride_part, stride_mt, stride_st, stride_sn, stride_xt,
     N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
+    MIX_SQUARES: tl.constexpr,
 ):
+    """One token's mix -> pre, post, comb (each program of the token forms them: a few hundred flops), then the
+    collapse of its `chunk` of the D columns; the first program of each token stores post and comb.
+    MIX_SQUARES: the mix's column NOUT holds the token's sum of squares (`_hc_mix_kernel`), else it is summed
+    here first."""
     t = tl.program_id(0)
+    d_first = tl.program_id(1) * chunk
     j = tl.arange(0, N)
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, N)[None, :]
+    o = tl.arange(0, BLOCK_O)
+    parts = tl.arange(0, PARTS)
+    # the mix: its partial sums added up (one part when cuBLAS made it)
+    mix = tl.sum(tl.load(mix_ptr + parts[:, None] * stride_part + t * stride_mt + o[None, :],
+                         mask=(o < NOUT + MIX_SQUARES)[None, :], other=0.0), axis=0)  # [BLOCK_O]
     # the RMS norm of the flattened streams, a per-token scalar applied to the (unnormed) mix
-    squares = tl.zeros((BLOCK_D,), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
-        xs = xs.to(tl.float32)
-        squares += tl.sum(xs * xs, axis=0)
-    r = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + norm_eps)
+    if MIX_SQUARES:
+        total = tl.sum(tl.where(o == NOUT, mix, 0.0), axis=0)
+    else:
+        squares = tl.zeros((BLOCK_D,), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D,
+                         other=0.0).to(tl.float32)
+            squares += tl.sum(xs * xs, axis=0)
+        total = tl.sum(squares, axis=0)
+    r = tl.rsqrt(total / (N * D) + norm_eps)
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
-    # the mix: its partial sums added up (one part when cuBLAS made it)
-    o = tl.arange(0, BLOCK_O)
-    parts = tl.arange(0, PARTS)
-    mix = tl.sum(tl.load(mix_ptr + parts[:, None] * stride_part + t * stride_mt + o[None, :],
-                         mask=(o < NOUT)[None, :], other=0.0), axis=0)  # [BLOCK_O]
     pre_w = tl.sum(tl.where(o[None, :] == j[:, None], mix[None, :], 0.0), axis=1)
     post_w = tl.sum(tl.where(o[None, :] == N + j[:, None], mix[None, :], 0.0), axis=1)
     flat = 2 * N + rows * N + cols  # [N, N]
@@ -99,9 +114,10 @@ def _hc_pre_kernel(
     for _ in range(iters - 1):  # Sinkhorn: rows, then columns
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * N + j, post)
-    tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
-    for d0 in range(0, D, BLOCK_D):
+    if d_first == 0:
+        tl.store(post_ptr + t * N + j, post)
+        tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
+    for d0 in range(d_first, d_first + chunk, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
         out = tl.sum(xs.to(tl.float32) * pre[:, None], axis=0)
@@ -129,15 +145,17 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None):
+def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
     (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
     cores at every T (bench/gpu_notes.md, runs 10, 11, 15 and 16: FMA products cost an 8K prefill 28 ms, cuBLAS's
     fp32 GEMM and the cast of the streams to fp32 8 ms, and a decode step's mix 17.5 us against 9.6); fp32/fp16
     streams take fp32 FMA products up to `SMALL_MIX_TOKENS` tokens, cuBLAS above. Then one program per token
-    divides the mix by the streams' RMS, projects and collapses.
+    divides the mix by the streams' RMS, projects and collapses. `tiles` (bench/kernel_sweep.py): parts (column
+    chunks of the mix), d_parts (programs per token of the collapse), num_warps (of the collapse).
     """
+    tiles = tiles or {}
     T, n, D = streams.shape
     streams = streams.contiguous()
     weight, fn = fn, fn.float().contiguous()
@@ -147,16 +165,19 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     if not T:
         return x, post, comb
     K, nout = n * D, fn.shape[0]
-    block_o = triton.next_power_of_2(max(nout, 16))
+    block_o = triton.next_power_of_2(max(nout + 1, 16))  # a spare column for the sum of squares
     if split is None:  # the split at every T (bench/kernel_sweep.py, run 16: 9.6 us against 17.5 at one token)
         split = True
     split = split and streams.dtype == torch.bfloat16
     if T <= SMALL_MIX_TOKENS or split:
         block_t, block_k = (64, 64) if split else (16, 64)
         t_blocks = triton.cdiv(T, block_t)
-        parts = 1
-        while parts < 64 and t_blocks * parts * 2 <= 2 * _SMS and K // (parts * 2) >= 4 * block_k:
-            parts *= 2
+        # bench/kernel_sweep.py (run 21, H200): 128 chunks of two column blocks at decode sizes (one token 10 -> 7.5
+        # us with the collapse below), 8 at an 8K prefill (0.188 -> 0.175 ms)
+        parts = 128 if T <= 128 else 8
+        while parts > 1 and K // parts < 2 * block_k:
+            parts //= 2
+        parts = tiles.get("parts", parts)
         chunk = triton.cdiv(triton.cdiv(K, parts), block_k) * block_k
         mix = torch.empty((parts, T, block_o), dtype=torch.float32, device=streams.device)
         w = split_bf16(weight) if split else fn
@@ -168,11 +189,19 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         parts = 1
         mix = torch.mm(streams.flatten(1).float(), fn.t())
         stride_part, stride_t = 0, mix.stride(0)
-    _hc_pre_kernel[(T,)](
+    # few tokens: each token's columns over up to 4 programs, each forming the token's weights itself (run 21)
+    d_parts = 1
+    while d_parts < 4 and T * d_parts * 2 <= 2 * _SMS and D // (d_parts * 2) >= 256:
+        d_parts *= 2
+    d_parts = tiles.get("d_parts", d_parts)
+    chunk = triton.cdiv(triton.cdiv(D, d_parts), 256) * 256 if d_parts > 1 else D
+    block_d = min(1024, chunk & -chunk) if d_parts > 1 else min(1024, triton.next_power_of_2(D))
+    _hc_pre_kernel[(T, triton.cdiv(D, chunk))](
         mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
-        D, int(iters), float(hc_eps), float(norm_eps),
+        D, int(iters), float(hc_eps), float(norm_eps), chunk,
         stride_part, stride_t, streams.stride(0), streams.stride(1), x.stride(0),
-        N=n, BLOCK_D=1024, PARTS=parts, BLOCK_O=block_o, NOUT=nout, num_warps=4,
+        N=n, BLOCK_D=block_d, PARTS=parts, BLOCK_O=block_o, NOUT=nout, MIX_SQUARES=stride_part != 0,
+        num_warps=tiles.get("num_warps", 4),
     )
     return x, post, comb
 
