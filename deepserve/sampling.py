@@ -108,7 +108,7 @@ def sample(
 
 def suppress_tokens(logits: Tensor, rows: Tensor, token_ids: Tensor) -> Tensor:
     """A copy of `logits` with `logits[rows[i], token_ids[i]] = -inf` (EOS and stop ids under `min_tokens`)."""
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    minus_inf = logits.new_full((), float("-inf"))  # filled on the device: no copy from the host
     return logits.index_put((rows.to(torch.int64), token_ids.to(torch.int64)), minus_inf)
 
 

@@ -3,7 +3,9 @@
 With asynchronous scheduling (the default) the model runner executes on its own worker thread. Step N is
 planned and submitted while step N-1 is still on the device; then the host applies N-1's samples (scheduler
 update, detokenization, stop strings, outputs). So the device never waits for Python between steps, except for
-the plan itself. The host-side gap between the end of one device step and the start of the next is recorded.
+the plan itself. The runner may return a step before its samples reach the host (`StepOutput.resolve`, called
+here before the samples are applied), so its worker launches step N while N-1 still computes. The gap between
+the runner's return from one step and its start of the next is recorded.
 
 Structured output rides the same pipeline: once step N-1's samples are applied, each constrained request's
 matcher consumes its new token and fills its row of step N's token bitmask, which the runner (already running
@@ -51,9 +53,10 @@ _GRAMMAR_POLL_SECONDS = 0.05
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since start. `host_gaps` are seconds the runner sat idle between consecutive steps. For steps with
-    constrained requests: `mask_fill_seconds` (host time filling the bitmask) and `mask_wait_seconds` (time the
-    runner waited for it after its forward: the structured-output overhead left after the overlap)."""
+    """Counters since start. `host_gaps` are seconds the runner's thread sat idle between consecutive steps (the
+    device may still be computing the earlier one: see `StepOutput.resolve`). For steps with constrained
+    requests: `mask_fill_seconds` (host time filling the bitmask) and `mask_wait_seconds` (time the runner waited
+    for it after its forward: the structured-output overhead left after the overlap)."""
 
     num_steps: int = 0
     num_prompt_tokens: int = 0
@@ -259,6 +262,7 @@ class EngineCore:
 
     def _finish(self, plan: SchedulerOutput, future: Future) -> list[RequestOutput]:
         out: StepOutput = future.result()
+        out.resolve()  # the runner may return before the samples reach the host; fails as `execute` would
         self.stats.num_steps += 1
         self.stats.step_seconds.append(out.seconds)
         if out.mask_wait_seconds:

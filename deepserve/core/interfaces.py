@@ -12,6 +12,7 @@ stays torch-free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -276,8 +277,13 @@ class StepInput:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step produced, per request id. `seconds`: wall time of the step on the runner (cost model), of
-    which `mask_wait_seconds` waiting for the host's grammar masks.
+    """What a step produced, per request id. `seconds`: how long the step took on the runner (the cost model's
+    measure: device time where the runner can time the device, else wall time), of which `mask_wait_seconds`
+    waiting for the host's grammar masks.
+
+    The executor may return before the step's samples are on the host (the device still computing them), so
+    that the engine can launch the next step meanwhile: `pending` then holds the rest of the step, and
+    `resolve()` waits for the samples and fills `sampled` (and `seconds`). Read nothing before `resolve()`.
 
     Speculative decoding: `num_accepted` is how many of a verifying chunk's drafts were kept (its `sampled`
     token follows them); `draft_token_ids` / `draft_confidences` are the drafts made for the next step."""
@@ -291,6 +297,15 @@ class StepOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidences: dict[str, list[float]] = field(default_factory=dict)
+    pending: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def resolve(self) -> StepOutput:
+        """Wait for the step's samples to reach the host and fill this output: runs `pending` once (an output
+        that came back complete has none). An error of the step's device work surfaces here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
+        return self
 
 
 class ModelExecutor(ABC):
@@ -299,7 +314,9 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
-        """Compute one step and return its samples (the one device-to-host copy of the step)."""
+        """Launch one step and return its output, which may still be pending (`StepOutput.resolve`): the step's
+        one device-to-host copy of its samples need not have finished, so that the caller can submit the next
+        step while the device computes this one."""
 
     @property
     @abstractmethod

@@ -48,6 +48,18 @@ class ForwardBatch:
         return int(self.token_ids.shape[0])
 
 
+def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """`values` (numbers, nested lists of them, or a CPU tensor) as a `dtype` tensor on `device`, without waiting
+    for the device. A copy from pageable host memory waits until the device has drained its stream, which would
+    stall a host that launches the next step while the device computes this one; so on CUDA the values go
+    through pinned memory and copy asynchronously (the caching host allocator keeps the pinned block until the
+    copy has run, so the host tensor may be dropped at once). Elsewhere a CPU tensor may come back as itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=dtype, device=device)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def make_batch(
     token_lists: Sequence[Sequence[int]],
     starts: Sequence[int],
@@ -77,9 +89,8 @@ def make_batch(
         rows = [n - 1] if logits_rows is None else list(logits_rows[i])
         want.extend(offset + r for r in rows)
         offset += n
-    # one host-to-device copy for the three index tensors (each copy from pageable memory waits for the device)
     n = len(ids)
-    flat = torch.tensor(ids + pos + want, dtype=torch.long).to(device)
+    flat = to_device(ids + pos + want, torch.long, device)  # one host-to-device copy for the three index tensors
     return ForwardBatch(token_ids=flat[:n], positions=flat[n : 2 * n], chunks=tuple(chunks),
                         logits_indices=flat[2 * n :])
 
@@ -95,9 +106,9 @@ def select_chunks(batch: ForwardBatch, which: Sequence[int], logits_rows: Sequen
         want.extend(offset + r for r in logits_rows[k])
         offset += c.length
     device = batch.token_ids.device
-    index = torch.tensor(src, dtype=torch.long, device=device)
+    index = to_device(src, torch.long, device)
     return ForwardBatch(token_ids=batch.token_ids[index], positions=batch.positions[index], chunks=tuple(chunks),
-                        logits_indices=torch.tensor(want, dtype=torch.long, device=device))
+                        logits_indices=to_device(want, torch.long, device))
 
 
 def check_states(batch: ForwardBatch, states: Sequence[SequenceState]) -> None:
@@ -145,16 +156,16 @@ class PagedLayout:
 
 def paged_layout(batch: ForwardBatch, states: Sequence[AttentionState]) -> PagedLayout:
     """The `PagedLayout` of paged `states` (one layer's), built once per forward and sequence set: later layers
-    (the same slots and block tables) get the memoised one. Two host-to-device copies, no device syncs."""
+    (the same slots and block tables) get the memoised one. Two asynchronous host-to-device copies."""
     tables = [block_table(st) for st in states]
     key = ("paged", tuple(st.slot for st in states), tuple(id(t) for t in tables), tuple(map(len, tables)))
     layout = batch.memo.get(key)
     if layout is None:
         device, T = batch.positions.device, batch.num_tokens
         width = max(map(len, tables), default=0) or 1
-        per_seq = torch.tensor([[st.slot, c.start, c.offset, c.length] for st, c in zip(states, batch.chunks)],
-                               dtype=torch.long, device=device)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        per_seq = to_device([[st.slot, c.start, c.offset, c.length] for st, c in zip(states, batch.chunks)],
+                            torch.long, device)
+        padded = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, device)
         seq = torch.arange(len(states), device=device).repeat_interleave(per_seq[:, 3], output_size=T)
         per_query = per_seq[seq]
         layout = PagedLayout(per_query[:, 0:1], per_query[:, 1:2], per_query[:, 2:3], padded, padded[seq])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import ForwardBatch, PagedLayout, StaticDecode, block_table
+from .batch import ForwardBatch, PagedLayout, StaticDecode, block_table, to_device
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
 from .state import SequenceState
@@ -123,7 +123,9 @@ class DecodeGraphs:
                 raise RuntimeError(f"block table holds {len(table)} pages, too few for position {c.start}")
         bucket = self._buckets.get((rows, P)) or self._make_bucket(rows, P)
         if bucket.copied is not None:
-            bucket.copied.synchronize()  # the previous step's copy has left the staging buffer
+            # the previous step's copy has left the staging buffer: with the host a step ahead of the device, this
+            # waits until the device has reached the bucket's previous step, never for its results
+            bucket.copied.synchronize()
         meta = bucket.host_meta.numpy()
         meta[:B, 0] = [c.start for c in chunks]
         meta[:B, 1] = [st.layers[0].slot for st in states]
@@ -154,7 +156,7 @@ class DecodeGraphs:
         snaps = [(st.layers[0].slot, c.end, page) for c, st in zip(chunks, states) for _, page in c.snapshots]
         if not snaps:
             return
-        slot, end, page = torch.tensor(snaps, dtype=torch.long, device=self.device).unbind(1)
+        slot, end, page = to_device(snaps, torch.long, self.device).unbind(1)
         for pools in self.cache.layers:
             W = pools.spec.window
             positions = end[:, None] - W + torch.arange(W, device=self.device)[None, :]

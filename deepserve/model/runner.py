@@ -6,6 +6,12 @@ ids from the previous step's samples without leaving the device, runs the model,
 and copies the sampled ids to the host once. Rows of structured-output requests are masked just before
 sampling with the grammar bitmask the host filled while the forward ran (logprobs stay the model's own).
 
+A plain step (no logprobs of either kind, no proposer) returns once it is launched: the copy of its samples to
+the host is queued on the device and `StepOutput.resolve` waits for it, so the engine's worker launches the next
+step while the device computes this one. So that launching never waits for the device, the runner's
+host-to-device copies go through pinned memory (`to_device`). Steps that read logits on the host stay
+synchronous: a CUDA graph's next replay overwrites its logits.
+
 With a speculative `Proposer`, a verifying chunk carries its drafts after its last token: the runner takes an
 undo of the sequence's state, computes the chunk, keeps the drafts the rejection rule accepts
 (`deepserve.model.verify`), rolls the state back past the rest (`SequenceUndo`), and then lets the proposer
@@ -27,7 +33,7 @@ from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, 
                                        StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict
 
-from .batch import make_batch, select_chunks
+from .batch import make_batch, select_chunks, to_device
 from .cuda_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
@@ -70,7 +76,7 @@ class ModelRunner(ModelExecutor):
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        began = time.perf_counter()
+        clock = _StepClock(self.device)
         for request_id in step.freed_request_ids:
             seq = self._seqs.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
@@ -78,7 +84,7 @@ class ModelRunner(ModelExecutor):
             if seq is not None:
                 self.cache.free_sequence(seq.slot)
         if not step.chunks:
-            return StepOutput(seconds=time.perf_counter() - began)
+            return StepOutput(seconds=time.perf_counter() - clock.began)
         chunks = step.chunks
         if self.proposer is not None:  # placeholders and relative starts, from this runner's own last step
             chunks = tuple(self._resolve(c) for c in chunks)
@@ -93,20 +99,31 @@ class ModelRunner(ModelExecutor):
         forward = self._forward(batch, states, rows)
         logits = forward.logits
         last_rows = [sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))]
-        ends = torch.tensor(last_rows, device=self.device)
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.samples]
+        picked = [chunks[i] for i in sampling]
+        # the step returns before its samples reach the host unless it reads its logits there (logprobs: a CUDA
+        # graph's next replay overwrites them) or speculates (the drafter's batch depends on the kept counts)
+        deferred = self.proposer is None and not any(c.prompt_targets for c in chunks) \
+            and all(c.params.logprobs is None for c in picked)
+        tokens = None
         if self.proposer is not None:
             self._speculate(step.masks, forward, batch, chunks, last_rows, sampling, undo, out)
         elif sampling:
             grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out)
-            tokens = self._sample(logits[ends[sampling]], [chunks[i] for i in sampling], grammar)
-            self._prev = (tokens, {chunks[i].request_id: row for row, i in enumerate(sampling)})
-            for row, token in enumerate(tokens.tolist()):  # the step's one planned device-to-host copy
-                out.sampled[chunks[sampling[row]].request_id] = token
-            self._logprobs(logits[ends[sampling]], tokens, [chunks[i] for i in sampling], out)
+            sampled_rows = to_device([last_rows[i] for i in sampling], torch.long, self.device)
+            tokens = self._sample(logits[sampled_rows], picked, grammar)
+            self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
+            if not deferred:
+                for c, token in zip(picked, tokens.tolist()):  # the step's one planned device-to-host copy
+                    out.sampled[c.request_id] = token
+                self._logprobs(logits[sampled_rows], tokens, picked, out)
+        if deferred:
+            out.pending = _read_back_later(out, tokens, [c.request_id for c in picked], clock)
+            return out
         self._prompt_logprobs(logits, rows, chunks, out)
-        out.seconds = time.perf_counter() - began
+        clock.stop()
+        out.seconds = clock.seconds()
         return out
 
     def _forward(self, batch, states, rows) -> ForwardOutput:
@@ -133,8 +150,8 @@ class ModelRunner(ModelExecutor):
         for r in rows:
             start.append(start[-1] + len(r))
         logits = first.logits.new_empty((start[-1], first.logits.shape[1]))
-        logits[torch.tensor([start[i] for i in single], device=self.device)] = first.logits
-        logits[torch.tensor([start[i] + j for i in rest for j in range(len(rows[i]))], device=self.device)] = \
+        logits[to_device([start[i] for i in single], torch.long, self.device)] = first.logits
+        logits[to_device([start[i] + j for i in rest for j in range(len(rows[i]))], torch.long, self.device)] = \
             others.logits
         return ForwardOutput(streams=None, logits=logits)
 
@@ -160,8 +177,8 @@ class ModelRunner(ModelExecutor):
         if self._prev is None:
             raise RuntimeError("a step holds placeholder tokens but no step before it sampled any")
         tokens, row_of = self._prev
-        positions = torch.tensor([p for p, _ in where], device=self.device)
-        sources = torch.tensor([row_of[r] for _, r in where], device=self.device)
+        positions = to_device([p for p, _ in where], torch.long, self.device)
+        sources = to_device([row_of[r] for _, r in where], torch.long, self.device)
         batch.token_ids[positions] = tokens[sources]
         return batch
 
@@ -303,8 +320,8 @@ class ModelRunner(ModelExecutor):
     def _row_sampling(self, chunks: list[ChunkInput]) -> RowSampling:
         p = [c.params for c in chunks]
 
-        def col(values, dtype=None):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def col(values, dtype):
+            return to_device(values, dtype, self.device)
 
         return RowSampling(col([x.temperature for x in p], torch.float32), col([x.top_k for x in p], torch.long),
                            col([x.top_p for x in p], torch.float32), col([x.min_p for x in p], torch.float32),
@@ -316,7 +333,7 @@ class ModelRunner(ModelExecutor):
         if not blocked:
             return logits
         r, t = zip(*blocked)
-        return suppress_tokens(logits, torch.tensor(r), torch.tensor(t))
+        return suppress_tokens(logits, to_device(r, torch.long, self.device), to_device(t, torch.long, self.device))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
         logits = self._masked(logits, chunks)
@@ -326,13 +343,13 @@ class ModelRunner(ModelExecutor):
             if rows == list(range(len(chunks))):
                 logits.add_(bias)
             else:
-                logits.index_add_(0, torch.tensor(rows, device=self.device), bias)
+                logits.index_add_(0, to_device(rows, torch.long, self.device), bias)
         if all(c.params.temperature == 0 for c in chunks):
             # every row greedy: `Backend.sample`'s greedy rows are the argmax with the lowest id on ties; its
             # sampling path (filters, noise) would run for nothing
             return argmax_lowest(logits.float())
         rs = self._row_sampling(chunks)
-        positions = torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.long, device=self.device)
+        positions = to_device([c.start + len(c.token_ids) for c in chunks], torch.long, self.device)
         return self.backend.sample(logits, rs.temperature, rs.top_k, rs.top_p, rs.min_p, rs.seeds, positions)
 
     def _logprobs(self, logits, tokens, chunks: list[ChunkInput], out: StepOutput) -> None:
@@ -371,7 +388,7 @@ def mask_bias(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> t
     discarded sample is still a valid id."""
     inverted = ~bitmask
     inverted[(bitmask == 0).all(dim=1)] = 0
-    forbidden_bytes = inverted.view(torch.uint8).to(device, non_blocking=True).long()  # packed: 32x fewer bytes
+    forbidden_bytes = to_device(inverted.view(torch.uint8), torch.uint8, device).long()  # packed: 32x fewer bytes
     bias = torch.nn.functional.embedding(forbidden_bytes, _byte_bias(device))  # [n, 4 * words, 8]
     return bias.view(bitmask.shape[0], -1)[:, :vocab_size]
 
@@ -381,3 +398,48 @@ def _byte_bias(device: torch.device) -> torch.Tensor:
     """[256, 8] fp32: row b holds -inf at the set bits of byte b (lowest bit first), 0 elsewhere."""
     bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
     return torch.where(bits.bool(), float("-inf"), 0.0).to(device)
+
+
+class _StepClock:
+    """How long a step took. On CUDA, the device's time between two events around the step's work on the
+    current stream (the host launches a step while the one before it still runs, and may return before it
+    ends); elsewhere the step's wall time on the host, which is the device's time there."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.began, self.wall = time.perf_counter(), 0.0
+        self.stream = self.events = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.current_stream(device)
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record(self.stream)
+
+    def stop(self) -> None:
+        """The step's last launch is done (on CUDA, `seconds` then waits for everything launched before)."""
+        self.wall = time.perf_counter() - self.began
+        if self.events is not None:
+            self.events[1].record(self.stream)
+
+    def seconds(self) -> float:
+        """The step's time, once its work is done (waits for it)."""
+        if self.events is None:
+            return self.wall
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def _read_back_later(out: StepOutput, tokens: torch.Tensor | None, request_ids: list[str], clock: _StepClock):
+    """Start copying a step's samples `tokens` (on the device; None: it samples nothing) to the host, and return
+    the `StepOutput.pending` finalizer that waits for them and fills `out`'s samples and time."""
+    host = None
+    if tokens is not None:
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.is_cuda)
+        host.copy_(tokens, non_blocking=True)
+    clock.stop()  # after the copy: the clock's end event is also the copy's
+
+    def read_back() -> None:
+        out.seconds = clock.seconds()
+        if host is not None:
+            out.sampled.update(zip(request_ids, host.tolist()))
+
+    return read_back
