@@ -280,18 +280,37 @@ def prefill_states(model, device, prompts, group: int, extra_tokens: int = 64, p
 
 
 @torch.no_grad()
-def decode_steps(model, device, states, tokens, start: int, graphs=None):
+def decode_steps(model, device, states, tokens, start: int, graphs=None, pipelined: bool = False):
     """One decode step per row of `tokens` [steps][B] (through `graphs`, a `DecodeGraphs`, when given); returns
-    the mean seconds per step."""
+    the mean seconds per step. Each step reads its greedy tokens back to the host. `pipelined`: as the engine's
+    runner does it, a step's tokens are fed to the next step on the device and read back (a non-blocking copy
+    into pinned memory) only after the next step is launched, so the host's work for a step overlaps the step
+    before it; else each step waits for its own tokens before the next is built."""
     from deepserve.model.batch import make_batch
 
     B = len(states)
     forward = graphs.forward if graphs is not None else model
     sync(device)
     t0 = time.perf_counter()
+    previous = pending = None
     for i, row in enumerate(tokens):
-        logits = forward(make_batch([[t] for t in row], [start + i] * B, device), states).logits
-        logits.argmax(-1).tolist()  # the runner's one device-to-host copy
+        batch = make_batch([[t] for t in row], [start + i] * B, device)
+        if not pipelined:
+            forward(batch, states).logits.argmax(-1).tolist()  # the one device-to-host copy of the step
+            continue
+        if previous is not None:
+            batch.token_ids.copy_(previous)  # the runner's placeholders, filled on the device
+        previous = forward(batch, states).logits.argmax(-1)
+        host = torch.empty(B, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+        host.copy_(previous, non_blocking=True)
+        copied = torch.cuda.Event() if torch.device(device).type == "cuda" else None
+        if copied is not None:
+            copied.record()
+        if pending is not None:  # the step before this one: its tokens reach the host now
+            if pending[1] is not None:
+                pending[1].synchronize()
+            pending[0].tolist()
+        pending = (host, copied)
     sync(device)
     return (time.perf_counter() - t0) / len(tokens)
 
@@ -401,8 +420,11 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
                                                    extra_tokens=steps + 8)
                 dg = DecodeGraphs(model, twin, max_batch=b, max_pages=-(-(ctx + steps + 8) // PAGE_SIZE))
                 decode_steps(model, device, twin_states, toks[:2], ctx, dg)  # captures this bucket
-                s = decode_steps(model, device, twin_states, toks[2:-1], ctx + 2, dg)
+                half = (len(toks) - 3) // 2
+                blocking = decode_steps(model, device, twin_states, toks[2 : 2 + half], ctx + 2, dg)
+                s = decode_steps(model, device, twin_states, toks[2 + half : -1], ctx + 2 + half, dg, pipelined=True)
                 out["decode_graphs"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s,
+                                             "ms_per_step_blocking": 1e3 * blocking,
                                              "capture_seconds": dg.capture_seconds}
                 if torch.device(device).type == "cuda":  # the replay alone: GPU time, and its kernels
                     graph = next(iter(dg._buckets.values())).graph
@@ -480,8 +502,15 @@ def report(res: dict) -> str:
             floor = need / bw if bw else float("nan")
             prof = res.get(who, {}).get("profile", {}).get(key) if kind == "decode" else None
             busy = f"{floor / prof['gpu_busy_seconds']:.1%}" if prof and bw else "-"
+            if kind == "decode_graphs" and "graph_busy_ms" in d and bw:
+                busy = f"{1e3 * floor / d['graph_busy_ms']:.1%}"
             lines.append(f"{label + ' b' + str(d['batch']) + ' ctx' + str(d['context']):<26}{d['ms_per_step']:>10.2f}"
-                         f"{d['tok_s']:>10.0f}{need / 2**30:>10.2f}{1e3 * floor:>10.2f}{floor / (d['ms_per_step'] / 1e3):>8.1%}{busy:>10}")
+                         f"{d['tok_s']:>10.0f}{need / 2**30:>10.2f}{1e3 * floor:>10.2f}"
+                         f"{floor / (d['ms_per_step'] / 1e3):>8.1%}{busy:>10}")
+            if "ms_per_step_blocking" in d and bw:
+                ms = d["ms_per_step_blocking"]
+                lines.append(f"{'  (each step waiting)':<26}{ms:>10.2f}{d['batch'] / ms * 1e3:>10.0f}{'':>20}"
+                             f"{floor / (ms / 1e3):>8.1%}")
     eng = res.get("engine")
     if eng:
         lines += ["", f"engine, {eng['num_seqs']} prompts x {eng['input_len']} tokens, {eng['output_len']} greedy tokens each:"

@@ -1,6 +1,6 @@
 """Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,rope,copies,syncs]   (default: all but syncs)
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,rope,gemv,copies,syncs]  (default: all but syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
    + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
@@ -10,9 +10,10 @@
    intermediate 2048) for fixed tiles against the autotuned pick.
 3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
 4. `apply_rope` in place at an 8K prefill's and a decode step's shapes: tokens and rows per program, warps.
-5. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
+5. The decode step's projections at 1 and 4 rows: cuBLAS against `gemv`'s tiles.
+6. An 8K prefill of the benchmark's model under torch's profiler, grouped by input shape: which copies,
    casts and concatenations the step makes and what they cost.
-6. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
+7. Where an 8K prefill waits for the GPU (`--only syncs`: torch's sync debug mode).
 
 Prints a table per part; writes kernel_sweep.json into --out ($OUT when set).
 """
@@ -139,7 +140,8 @@ def sweep_moe(device, g) -> list[dict]:
         wts = torch.rand(T, k, device=device, generator=g)
         grid = [dict(tiles, block_m=bm) for bm, tiles in itertools.product(block_ms, tile_grid)]
         rows.append(dict(tokens=T, **sweep_tiles(
-            f"moe T={T}", lambda tiles: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=tiles), grid)))
+            f"moe T={T}", lambda tiles: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=tiles), grid,
+            graph=T <= 64)))
     return rows
 
 
@@ -166,6 +168,53 @@ def sweep_rope(device, g) -> list[dict]:
             f"rope [{T}, {M}, {d}] in place",
             lambda tiles: apply_rope(work, positions, inv_freq, inplace=True, tiles=tiles), grid, check,
             graph=T <= 64)))
+    return rows
+
+
+def sweep_gemv(device, g) -> list[dict]:
+    """The decode step's projections at 1 and 4 rows (each [N, K] of the benchmark's model; o_a grouped 8 ways):
+    cuBLAS (as the backend calls it) against `gemv`'s tiles, all inside CUDA graphs, with the weight's bytes over
+    the time."""
+    import torch.nn.functional as F
+
+    from deepserve.backends.nvidia.triton_ops import gemv
+
+    shapes = [("input projections, CSA", 4160, 4096), ("input projections, HCA", 2560, 4096),
+              ("input projections, window", 1536, 4096), ("q_b", 32768, 1024), ("indexer q_b", 8192, 1024),
+              ("o_b", 4096, 8192), ("shared gate_up", 4096, 4096), ("shared down", 4096, 2048),
+              ("o_a (8 groups)", 1024, 4096)]
+    grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+            for n, k, w, st in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (3, 4, 6))]
+    rows = []
+    for name, N, K in shapes:
+        groups = 8 if name.startswith("o_a") else 0
+        w = (torch.randn((groups, N, K) if groups else (N, K), device=device, generator=g) * K**-0.5).bfloat16()
+        for M in (1, 4):
+            x = torch.randn((M, groups, K) if groups else (M, K), device=device, generator=g).bfloat16()
+            if groups:
+                def cublas():
+                    out = torch.empty((M, groups, N), dtype=x.dtype, device=device)
+                    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+                    return out
+
+                def run(tiles):
+                    return gemv.grouped_gemv(x, w, tiles)
+            else:
+                def cublas():
+                    return F.linear(x, w)
+
+                def run(tiles):
+                    return gemv.gemv(x, w, tiles)
+            ref = cublas().float()
+            err = ((run(None).float() - ref).norm() / ref.norm()).item()
+            base = graphed(cublas)
+            res = sweep_tiles(f"{name} M={M}", run, grid, graph=True)
+            gb = w.numel() * w.element_size() / 1e6
+            best = res["best"][0]["ms"] if res["best"] else float("nan")
+            print(f"    cuBLAS {base:.4f} ms ({gb / base:.0f} GB/s), gemv default {res['default_ms']:.4f} ms "
+                  f"({gb / res['default_ms']:.0f} GB/s), best {gb / best:.0f} GB/s, error vs cuBLAS {err:.1e}",
+                  flush=True)
+            rows.append(dict(name=name, N=N, K=K, M=M, groups=groups, cublas_ms=base, rel_err_vs_cublas=err, **res))
     return rows
 
 
@@ -287,7 +336,7 @@ def prefill_syncs(device) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
-    ap.add_argument("--only", default="attention,moe,mhc,rope,copies")
+    ap.add_argument("--only", default="attention,moe,mhc,rope,gemv,copies")
     ap.add_argument("--cases", default="", help="attention: only the cases whose name holds this (e.g. decode)")
     args = ap.parse_args()
     device = "cuda:0"
@@ -296,7 +345,7 @@ def main() -> None:
     parts = args.only.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("rope", sweep_rope),
-                     ("copies", None),
+                     ("gemv", sweep_gemv), ("copies", None),
                      ("syncs", None)):
         if part not in parts:
             continue

@@ -416,3 +416,33 @@ def test_grouped_linear_writes_groups_in_place(T):
     out = NvidiaBackend().grouped_linear(x, w)
     assert out.shape == (T, 8, 1024) and out.is_contiguous()
     assert rel_err(out, ReferenceBackend(CUDA).grouped_linear(x.float(), w.float())) < BF16_TOL
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("N,K,groups", [(4160, 4096, 0), (32768, 1024, 0), (40, 200, 0), (1024, 4096, 8)])
+def test_gemv(M, N, K, groups):
+    """`gemv` / `grouped_gemv` against fp32 products of the same bf16 operands; NaN-free and the right shape."""
+    from deepserve.backends.nvidia.triton_ops.gemv import gemv, grouped_gemv
+
+    g = gen(CUDA, M * N)
+    if groups:
+        x, w = randn((M, groups, K), g, CUDA), randn((groups, N, K), g, CUDA, std=K**-0.5)
+        out = grouped_gemv(x, w)
+        ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
+    else:
+        x, w = randn((M, K), g, CUDA), randn((N, K), g, CUDA, std=K**-0.5)
+        out = gemv(x, w)
+        ref = x.float() @ w.float().t()
+    assert out.shape == ref.shape and not torch.isnan(out).any()
+    assert rel_err(out, ref) < BF16_TOL
+
+
+def test_backend_takes_gemv_for_few_rows():
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    b = NvidiaBackend()
+    w = torch.randn(4096, 1024, device=CUDA, dtype=torch.bfloat16)
+    assert b._gemv(torch.randn(1, 1024, device=CUDA, dtype=torch.bfloat16), w)
+    assert not b._gemv(torch.randn(5, 1024, device=CUDA, dtype=torch.bfloat16), w)  # cuBLAS from 5 rows
+    assert not b._gemv(torch.randn(1, 1024, device=CUDA), w.float())  # fp32: cuBLAS
+    assert not b._gemv(torch.randn(1, 1024, device=CUDA, dtype=torch.bfloat16), w[:1024])  # narrow

@@ -79,12 +79,12 @@ class NvidiaBackend(ReferenceBackend):
         self.kernels = None
         if fast and triton_available():
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
-                from .triton_ops import attention, decode, elementwise, indexer, mhc, moe
+                from .triton_ops import attention, decode, elementwise, gemv, indexer, mhc, moe
             except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
                 logger.warning("triton is installed but its kernels do not import (%s): running without them", e)
             else:
                 self.kernels = SimpleNamespace(attention=attention, decode=decode, elementwise=elementwise,
-                                               indexer=indexer, mhc=mhc, moe=moe)
+                                               gemv=gemv, indexer=indexer, mhc=mhc, moe=moe)
                 self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
 
     def __repr__(self) -> str:
@@ -92,10 +92,19 @@ class NvidiaBackend(ReferenceBackend):
         path = "reference ops" if not self.fast else ("triton" if self.kernels else "cuBLAS only")
         return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor}, {path})"
 
-    # -- GEMMs: cuBLAS, no row padding ---------------------------------------------------------------------------
+    # -- GEMMs: cuBLAS, no row padding; `gemv` for the wide projections of 1-4 rows --------------------------------
+    def _gemv(self, x, weight) -> bool:
+        """Whether `gemv` takes this product: 1-4 rows, 16-bit operands of one dtype, at least 2048 columns
+        (bench/kernel_sweep.py, run 22: narrower ones cuBLAS does as fast)."""
+        return (self.kernels is not None and x.shape[0] <= self.kernels.gemv.MAX_ROWS and x.is_cuda
+                and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and weight[..., 0].numel() >= 2048)
+
     def linear(self, x, weight):
         if not self.fast:
             return super().linear(x, weight)
+        if self._gemv(x, weight):
+            return self.kernels.gemv.gemv(x, weight)
         return F.linear(x, weight)
 
     def linear_fp32(self, x, weight):
@@ -112,6 +121,8 @@ class NvidiaBackend(ReferenceBackend):
             return super().grouped_linear(x, weight)
         # cuBLAS writes each group's product straight into its columns of a [T, G, r] result (a transposed view
         # as the batched output), so the caller's flatten to [T, G * r] copies nothing (was 1 ms of an 8K prefill)
+        if self._gemv(x, weight):
+            return self.kernels.gemv.grouped_gemv(x, weight)
         out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
         torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
         return out
