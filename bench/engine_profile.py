@@ -6,7 +6,8 @@
 
 Times, per engine step: the runner's `execute` (wall, on the runner thread), the part of it in the model forward
 (`DecodeGraphs.forward` or the eager forward), the host gaps the engine records between device steps, and the
-engine's `step()` on the main thread; counts graph and eager forwards. Prints medians and writes a JSON record.
+engine's `step()` on the main thread; counts graph and eager forwards. Prints medians (and the decode rate at the
+median step: sequences over its seconds) and writes a JSON record.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
            "graphs": llm.graphs is not None, "seconds": seconds, "output_tok_s": tokens / seconds,
            "steps": len(logs["engine_step"]), "graph_forwards": len(logs["graph_forward"]),
            "eager_forwards": len(logs["eager_forward"]),
+           "decode_tok_s": args.num_seqs / (statistics.median(logs["engine_step"]) or float("nan")),
            "median_ms": {k: ms(v) for k, v in logs.items()} | {"host_gap": ms(gaps)},
            "total_s": {k: sum(v) for k, v in logs.items()} | {"host_gaps": sum(gaps)}}
     print(json.dumps(res, indent=1))

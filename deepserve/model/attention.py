@@ -14,7 +14,7 @@ from torch import nn
 from deepserve.core.config import SLIDING, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .batch import ForwardBatch, paged_layout, paged_step_pools
+from .batch import ForwardBatch, paged_layout, paged_step_pools, to_device
 from .common import NormWeight, linear
 from .compressor import Compressor
 from .state import AttentionState, LayerStateSpec
@@ -107,8 +107,8 @@ class Attention(nn.Module):
         key = ("ring rows kept", self.window)
         if key not in batch.memo:
             W = self.window
-            batch.memo[key] = None if all(c.length <= W for c in batch.chunks) else torch.tensor(
-                [c.offset + j for c in batch.chunks for j in range(max(0, c.length - W), c.length)], device=device)
+            batch.memo[key] = None if all(c.length <= W for c in batch.chunks) else to_device(
+                [c.offset + j for c in batch.chunks for j in range(max(0, c.length - W), c.length)], torch.long, device)
         return batch.memo[key]
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
@@ -151,10 +151,10 @@ class Attention(nn.Module):
         slots (the same keys in the same order as the general path, so the same results), the new rows go last.
         Per-sequence gathers were most of a decode step's launches."""
         device = kv.device
-        lengths = torch.tensor([c.length for c in batch.chunks], device=device)
+        lengths = to_device([c.length for c in batch.chunks], torch.long, device)
 
         def per_query(values):  # one value per chunk -> one per query, [T, 1]
-            return torch.tensor(values, device=device).repeat_interleave(lengths, output_size=kv.shape[0])[:, None]
+            return to_device(values, torch.long, device).repeat_interleave(lengths, output_size=kv.shape[0])[:, None]
 
         pieces, ring_base, comp_base, base = [], [], [], 0
         for st in states:
@@ -221,4 +221,4 @@ class Attention(nn.Module):
             for boundary, page in chunk.snapshots:
                 rows = [st.slot * W + p % W if p < chunk.start else pools.scratch_base + chunk.offset + p - chunk.start
                         for p in range(boundary - W, boundary)]
-                st.snap_window[page] = storage[torch.tensor(rows, device=storage.device)]
+                st.snap_window[page] = storage[to_device(rows, torch.long, storage.device)]

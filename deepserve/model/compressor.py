@@ -15,7 +15,7 @@ from torch import nn
 from deepserve.core.config import CSA, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .batch import ForwardBatch, SeqChunk, paged_layout, paged_step_pools
+from .batch import ForwardBatch, SeqChunk, paged_layout, paged_step_pools, to_device
 from .common import NormWeight, linear
 from .state import CompressorState, StreamSpec
 
@@ -93,7 +93,7 @@ class _Pooler(nn.Module):
         blocks that `snaps` lists as (index in `block_kv`, page)."""
         if not (self.overlap and snaps):
             return
-        k, page = torch.tensor(snaps, dtype=torch.long, device=block_kv.device).unbind(1)
+        k, page = to_device(snaps, torch.long, block_kv.device).unbind(1)
         pools.snap_kv.index_put_((page,), block_kv[k, :, : self.dim])
         pools.snap_gate.index_put_((page,), block_gate[k, :, : self.dim])
 
@@ -139,7 +139,7 @@ class _Pooler(nn.Module):
         self._write_open(pools, opening, kv, gate)
         if not closing:
             return
-        row, slot, first, page, in_page = torch.tensor(closing, dtype=torch.long, device=device).unbind(1)
+        row, slot, first, page, in_page = to_device(closing, torch.long, device).unbind(1)
         block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[row][:, None]), dim=1)  # [B, m, width]
         block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[row][:, None]), dim=1)
         self._snapshot_overlap(pools, block_kv, block_gate, snapshots)
@@ -150,7 +150,7 @@ class _Pooler(nn.Module):
         """Rows of the new open blocks into the pool's frontier, one scatter each for kv and gate: `entries` lists
         (row of `kv`/`gate`, slot, position in the block)."""
         if entries:
-            row, slot, held = torch.tensor(entries, dtype=torch.long, device=kv.device).unbind(1)
+            row, slot, held = to_device(entries, torch.long, kv.device).unbind(1)
             pools.open_kv.index_put_((slot, held), kv[row])
             pools.open_gate.index_put_((slot, held), gate[row])
 
@@ -230,7 +230,7 @@ class _Pooler(nn.Module):
                 r = first + c
                 blocks.append((base, c, slot, int(first > 0), r, rows.table[r // rows.per_page], r % rows.per_page))
             rows.num_rows = first + closed
-        src = torch.tensor(src, dtype=torch.long, device=device)
+        src = to_device(src, torch.long, device)
         from_pool = (src < num_pool_rows)[:, None]
         pool_row, batch_row = src.clamp(max=num_pool_rows - 1), (src - num_pool_rows).clamp(min=0)
         f_kv = torch.where(from_pool, pools.open_kv.view(-1, kv.shape[1])[pool_row], kv[batch_row])  # [rows, F]
@@ -243,7 +243,7 @@ class _Pooler(nn.Module):
         if not blocks:
             return
         base, c, slot, has_prev, first_row, page, in_page = \
-            torch.tensor(blocks, dtype=torch.long, device=device).unbind(1)
+            to_device(blocks, torch.long, device).unbind(1)
         cols = base[:, None] + c[:, None] * m + torch.arange(m, device=device)[None, :]  # [NB, m] flat rows
         block_kv, block_gate = f_kv[cols], f_gate[cols]
         self._snapshot_overlap(pools, block_kv, block_gate, snaps)
@@ -254,7 +254,7 @@ class _Pooler(nn.Module):
             prev_kv = torch.where(in_chunk, f_kv[earlier][..., :d], torch.where(pool_prev, pools.prev_kv[slot], 0.0))
             prev_gate = torch.where(in_chunk, f_gate[earlier][..., :d],
                                     torch.where(pool_prev, pools.prev_gate[slot], float("-inf")))
-            k, last_slot = torch.tensor(lasts, dtype=torch.long, device=device).unbind(1)
+            k, last_slot = to_device(lasts, torch.long, device).unbind(1)
             pools.prev_kv.index_put_((last_slot,), block_kv[k, :, :d])
             pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
@@ -289,8 +289,8 @@ class Indexer(_Pooler):
             keys = self._gather_keys(states[0].rows.pool, layout, counts, starts, x.device)
         else:
             keys = torch.cat([state.rows.view() for state in states])
-        lengths = torch.tensor([c.length for c in batch.chunks], device=x.device)
-        key_start = torch.tensor(starts, dtype=torch.long, device=x.device)
+        lengths = to_device([c.length for c in batch.chunks], torch.long, x.device)
+        key_start = to_device(starts, torch.long, x.device)
         key_start = key_start.repeat_interleave(lengths, output_size=x.shape[0])
         key_count = (batch.positions + 1) // self.ratio
         chosen = self.backend.indexer_topk(q, weights, keys, key_start, key_count, self.topk)
@@ -312,7 +312,7 @@ class Indexer(_Pooler):
         """Rows [0, counts[i]) of every sequence i, concatenated, gathered from the page pool [pages, rpp, dim]
         through the padded block tables: row r of sequence i is pool page tables[i, r // rpp], slot r % rpp."""
         rpp, total = pool.shape[1], sum(counts)
-        per_seq = torch.tensor([counts, starts], dtype=torch.long, device=device)
+        per_seq = to_device([counts, starts], torch.long, device)
         seq = torch.arange(len(counts), device=device).repeat_interleave(per_seq[0], output_size=total)
         row = torch.arange(total, device=device) - per_seq[1][seq]
         page = layout.tables[seq, row // rpp]

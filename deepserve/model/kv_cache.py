@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from .batch import to_device
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .state import AttentionState, CompressorState, LayerStateSpec, SequenceState, StreamSpec, WindowRing
 
@@ -43,8 +44,7 @@ class PagedRows:
 
     def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(start, end, device=self.pool.device)
-        pages = torch.tensor(self.table[: (end + self.per_page - 1) // self.per_page], dtype=torch.long,
-                             device=self.pool.device)
+        pages = to_device(self.table[: (end + self.per_page - 1) // self.per_page], torch.long, self.pool.device)
         return pages[rows // self.per_page], rows % self.per_page
 
     def view(self) -> torch.Tensor:

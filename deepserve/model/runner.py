@@ -9,8 +9,8 @@ sampling with the grammar bitmask the host filled while the forward ran (logprob
 A plain step (no logprobs of either kind, no proposer) returns once it is launched: the copy of its samples to
 the host is queued on the device and `StepOutput.resolve` waits for it, so the engine's worker launches the next
 step while the device computes this one. So that launching never waits for the device, the runner's
-host-to-device copies go through pinned memory (`to_device`). Steps that read logits on the host stay
-synchronous: a CUDA graph's next replay overwrites its logits.
+host-to-device copies are asynchronous (`to_device`). Steps that read logits on the host stay synchronous: a
+CUDA graph's next replay overwrites its logits.
 
 With a speculative `Proposer`, a verifying chunk carries its drafts after its last token: the runner takes an
 undo of the sequence's state, computes the chunk, keeps the drafts the rejection rule accepts
