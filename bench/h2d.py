@@ -3,14 +3,15 @@
     python bench/h2d.py [--out DIR]
 
 A forward sends a few dozen small index lists to the device (token ids, positions, block tables, the
-compressor's block lists). Three ways to send one, each measured while the device is busy with earlier work
+compressor's block lists). Four ways to send one, each measured while the device is busy with earlier work
 (as it is when the host runs a step ahead):
   pinned:   the list in pinned memory, copied asynchronously (the CPU tensor pinned per call),
   pageable: the list in ordinary memory, copied with non_blocking=True (the driver stages a small copy at once
             and does not wait for the stream),
-  blocking: `torch.tensor(list, device=cuda)`, which waits for the stream to drain first.
+  blocking: `torch.tensor(list, device=cuda)`, which waits for the stream to drain first,
+  adaptive: blocking when the stream is idle (nothing to wait for), else pageable (`batch.to_device`).
 Then the benchmark model's prefill of 1K and 8K tokens and a batch-1 eager decode step with `to_device`
-switched to each way. Writes h2d.json into --out ($OUT when set).
+switched to each way (the copy cost is measured both with the device busy and idle). Writes h2d.json into --out ($OUT when set).
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ def blocking(values, dtype, device):
     return torch.as_tensor(values, dtype=dtype).to(device)
 
 
-WAYS = {"pinned": pinned, "pageable": pageable, "blocking": blocking}
+def adaptive(values, dtype, device):
+    host = torch.as_tensor(values, dtype=dtype)
+    if not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream(device).query():
+        return host.to(device)
+    return host.to(device, non_blocking=True)
+
+
+WAYS = {"pinned": pinned, "pageable": pageable, "blocking": blocking, "adaptive": adaptive}
 
 
 def use(way) -> None:
@@ -54,22 +62,26 @@ def use(way) -> None:
 
 
 def copy_cost(device) -> dict:
-    """Host microseconds per call of each way (a 256-entry list), with a 20 ms matmul queued ahead."""
+    """Host microseconds per call of each way (a 256-entry list), with a 20 ms matmul queued ahead (busy) and
+    with nothing queued (idle)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     values = list(range(256))
     out = {}
     for name, way in WAYS.items():
         for _ in range(50):
             way(values, torch.long, device)
-        sync(device)
-        for _ in range(40):
-            a @ a  # ~20 ms of queued work
-        began = time.perf_counter()
-        for _ in range(200):
-            way(values, torch.long, device)
-        out[name] = 1e6 * (time.perf_counter() - began) / 200
-        sync(device)
-        print(f"  {name:<9} {out[name]:8.1f} us a copy (host)", flush=True)
+        for state in ("busy", "idle"):
+            sync(device)
+            if state == "busy":
+                for _ in range(40):
+                    a @ a  # ~20 ms of queued work
+            began = time.perf_counter()
+            for _ in range(200):
+                way(values, torch.long, device)
+            out[f"{name} {state}"] = 1e6 * (time.perf_counter() - began) / 200
+            sync(device)
+        print(f"  {name:<9} {out[name + ' busy']:8.1f} us a copy (device busy), {out[name + ' idle']:8.1f} (idle)",
+              flush=True)
     return out
 
 

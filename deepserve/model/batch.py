@@ -50,12 +50,18 @@ class ForwardBatch:
 
 def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """`values` (numbers, nested lists of them, or a CPU tensor) as a `dtype` tensor on `device`, without waiting
-    for the device. A blocking copy waits until the device has drained its stream, which would stall a host that
-    launches the next step while the device computes this one; an asynchronous copy from ordinary (pageable)
-    memory is staged by the driver before the call returns, so the host tensor may be dropped at once. Pinning
-    the values first cost more than it saved: bench/h2d.py on the H200 (64 us a copy against 41; a 1K prefill
-    47 ms against 25, the blocking copy's 40)."""
-    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+    for the device's earlier work. A blocking copy first waits until the device has drained its stream, which
+    would stall a host that launches the next step while the device computes this one; an asynchronous copy
+    from ordinary (pageable) memory is staged by the driver before the call returns (so the host tensor may be
+    dropped at once), but costs more host time. So: blocking when the stream is idle (nothing to wait for),
+    asynchronous when it is busy. bench/h2d.py on the H200 compares the ways (pinning first was the slowest)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    if not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream(device).query():
+        return host.to(device)
+    return host.to(device, non_blocking=True)
 
 
 def make_batch(
