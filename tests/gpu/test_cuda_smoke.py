@@ -42,3 +42,18 @@ def test_cuda_bf16_generates(demo_dir):
     assert llm.model.lm_head.weight.dtype == torch.bfloat16
     outs = llm.generate(prompts(), SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+
+
+def test_to_device_with_the_stream_idle_and_busy():
+    """`batch.to_device` copies blocking when the stream is idle and asynchronously behind queued work: the same
+    values and dtype either way, read back after the work they queued behind."""
+    from deepserve.model.batch import to_device
+
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    idle = to_device([1, 2, 3], torch.long, "cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    busy = to_device([[4, 5], [6, 7]], torch.int32, "cuda")
+    assert idle.tolist() == [1, 2, 3] and idle.dtype == torch.long
+    assert busy.tolist() == [[4, 5], [6, 7]] and busy.dtype == torch.int32
