@@ -49,23 +49,8 @@ def _tiles(N: int, K: int, tiles: dict | None) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, for M <= MAX_ROWS (fp32 accumulation)."""
-    M, K = x.shape
-    N = w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    t = _tiles(N, K, tiles)
-    _gemv_kernel[(triton.cdiv(N, t["BLOCK_N"]), 1)](
-        x, w, out, M, N, K, 0, x.stride(0), 0, w.stride(0), 0, out.stride(0),
-        BLOCK_M=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype),
-        num_warps=t["num_warps"], num_stages=t["num_stages"],
-    )
-    return out
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, for M <= MAX_ROWS (fp32 accumulation): one group."""
+    return grouped_gemv(x[:, None], w[None], tiles)[:, 0]
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
