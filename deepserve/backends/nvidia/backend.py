@@ -119,10 +119,10 @@ class NvidiaBackend(ReferenceBackend):
     def grouped_linear(self, x, weight):
         if not self.fast:
             return super().grouped_linear(x, weight)
-        # cuBLAS writes each group's product straight into its columns of a [T, G, r] result (a transposed view
-        # as the batched output), so the caller's flatten to [T, G * r] copies nothing (was 1 ms of an 8K prefill)
         if self._gemv(x, weight):
             return self.kernels.gemv.grouped_gemv(x, weight)
+        # cuBLAS writes each group's product straight into its columns of a [T, G, r] result (a transposed view
+        # as the batched output), so the caller's flatten to [T, G * r] copies nothing (was 1 ms of an 8K prefill)
         out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
         torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
         return out
