@@ -11,7 +11,8 @@ compressor's block lists). Four ways to send one, each measured while the device
   blocking: `torch.tensor(list, device=cuda)`, which waits for the stream to drain first,
   adaptive: blocking when the stream is idle (nothing to wait for), else pageable (`batch.to_device`).
 Then the benchmark model's prefill of 1K and 8K tokens and a batch-1 eager decode step with `to_device`
-switched to each way (the copy cost is measured both with the device busy and idle). Writes h2d.json into --out ($OUT when set).
+switched to each way (the copy cost is measured both with the device busy and idle). Writes h2d.json into --out
+($OUT when set).
 """
 
 from __future__ import annotations

@@ -152,8 +152,9 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     cores at every T (bench/gpu_notes.md, runs 10, 11, 15 and 16: FMA products cost an 8K prefill 28 ms, cuBLAS's
     fp32 GEMM and the cast of the streams to fp32 8 ms, and a decode step's mix 17.5 us against 9.6); fp32/fp16
     streams take fp32 FMA products up to `SMALL_MIX_TOKENS` tokens, cuBLAS above. Then one to four programs per
-    token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles` (bench/kernel_sweep.py): parts (column
-    chunks of the mix), d_parts (programs per token of the collapse), num_warps (of the collapse).
+    token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles`
+    (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
+    num_warps (of the collapse).
     """
     tiles = tiles or {}
     T, n, D = streams.shape
