@@ -2,7 +2,7 @@
 
 At one to four rows a projection is a matrix-vector product: its time is the weight's bytes over the memory
 bandwidth, and nothing else. cuBLAS picks tiles made for wider products at these shapes and (for the long-K
-ones) a split-K pass with a second reduction kernel: 2.6-3.7 TB/s on the H200 (bench/kernel_sweep.py, run 22).
+ones) a split-K pass with a second reduction kernel: 2.0-3.7 TB/s on the H200 (bench/kernel_sweep.py, run 22).
 Here a program owns BLOCK_N output columns and walks the whole K, its weight tiles streamed through shared
 memory by Triton's pipelined loads (`num_stages`), the few rows padded to the 16 a tensor-core dot needs. A
 grouped projection (`grouped_linear`: x [T, G, K], w [G, N, K]) is the same with a group per grid row.
