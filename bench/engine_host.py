@@ -1,0 +1,107 @@
+"""The engine's own host time per decode step, without a model: can it keep up with the GPU?
+
+    python bench/engine_host.py [--batches 1,16,64,256] [--steps 200] [--out FILE]
+
+`EngineCore` (scheduler, KV manager, detokenizer, stop strings, outputs) drives an executor that returns every
+step's samples at once (random ids over the embedded model's tokenizer). So each `step()` is pure host work: plan
+the step, build its input, apply the previous step's samples, detokenize, check stops, make the outputs. With
+asynchronous scheduling that work overlaps the device's step, so the engine keeps a GPU busy only while it is
+shorter than the device's step (the H200 decode graph: 2.0 ms at batch 1, 4.1 ms at 64, 6.2 ms at 256;
+docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size and prompt length,
+with plain greedy requests and with stop strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deepserve.core.config import ModelConfig  # noqa: E402
+from deepserve.core.engine import EngineCore  # noqa: E402
+from deepserve.core.interfaces import ModelExecutor, StepInput, StepOutput  # noqa: E402
+from deepserve.core.kv.manager import KVCacheManager  # noqa: E402
+from deepserve.core.sampling_params import SamplingParams  # noqa: E402
+from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel  # noqa: E402
+from deepserve.core.scheduler.scheduler import Scheduler  # noqa: E402
+from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+MODEL = ROOT / "deepserve" / "assets" / "deepserve-tiny-v4"
+PAGE = 128
+
+
+class InstantExecutor(ModelExecutor):
+    """Samples a random id for every sampling chunk, at once (ids above 255: the byte tokenizer's words)."""
+
+    def __init__(self, vocab: int, slots: int, seed: int = 0) -> None:
+        self.rng, self.vocab, self.slots = random.Random(seed), vocab, slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots
+
+    @property
+    def num_active_sequences(self) -> int:
+        return 0
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return StepOutput(sampled={c.request_id: self.rng.randrange(256, self.vocab) for c in step.chunks if c.samples})
+
+
+def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prompt_len: int = 64) -> float:
+    """Median host milliseconds of `EngineCore.step()` with `batch` requests of `prompt_len`-token prompts
+    decoding."""
+    max_len = prompt_len + 4096  # room for the tokens early requests decode while later ones prefill
+    kv = KVCacheManager(batch * -(-max_len // PAGE) + 8, PAGE, True)
+    scheduler = Scheduler(kv, StepCostModel(CostModelConfig()), batch, 8192, max_len, cfg.eos_token_ids)
+    engine = EngineCore(scheduler, InstantExecutor(cfg.vocab_size, batch), page_size=PAGE,
+                        make_detokenizer=lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip))
+    params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True, stop=stop)
+    rng = random.Random(1)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(256, cfg.vocab_size) for _ in range(prompt_len)], params)
+    decoding = set()
+    while len(decoding) < batch:  # the prompts' steps, until every request has sampled
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    engine.step()
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - began)
+        if len(outputs) != batch or any(o.finished for o in outputs):
+            raise RuntimeError(f"batch {batch}: {len(outputs)} outputs in a step, some finished: not a steady decode")
+    engine.shutdown()
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompt-lens", default="64,4096")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
+    tokenizer = Tokenizer(MODEL, cfg)
+    res = {"python": sys.version.split()[0], "steps": args.steps, "ms_per_step": {}}
+    for n in map(int, args.prompt_lens.split(",")):
+        for b in map(int, args.batches.split(",")):
+            plain = measure(b, args.steps, None, tokenizer, cfg, n)
+            stops = measure(b, args.steps, ["<|no such text|>", "\x00END\x00"], tokenizer, cfg, n)  # never met
+            res["ms_per_step"][f"{b}x{n}"] = {"batch": b, "prompt_len": n, "plain": plain, "stop_strings": stops}
+            print(f"batch {b:4d}, prompts of {n:5d}: {plain:7.3f} ms a step ({1e3 * plain / b:6.1f} us a request), "
+                  f"with stop strings {stops:7.3f} ms", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
