@@ -7,13 +7,15 @@ step's samples at once (random ids over the embedded model's tokenizer). So each
 the step, build its input, apply the previous step's samples, detokenize, check stops, make the outputs. With
 asynchronous scheduling that work overlaps the device's step, so the engine keeps a GPU busy only while it is
 shorter than the device's step (the H200 decode graph: 2.0 ms at batch 1, 4.1 ms at 64, 6.2 ms at 256;
-docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size and prompt length,
-with plain greedy requests and with stop strings.
+docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size, prompt length and
+output length so far: greedy requests streamed (a snapshot of each every step), the same with stop strings, and
+with only final outputs (`LLM.generate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -55,28 +57,31 @@ class InstantExecutor(ModelExecutor):
         return StepOutput(sampled={c.request_id: self.rng.randrange(256, self.vocab) for c in step.chunks if c.samples})
 
 
-def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prompt_len: int = 64) -> float:
+def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prompt_len: int = 64,
+            generated: int = 0, final_only: bool = False) -> float:
     """Median host milliseconds of `EngineCore.step()` with `batch` requests of `prompt_len`-token prompts
-    decoding."""
-    max_len = prompt_len + 4096  # room for the tokens early requests decode while later ones prefill
+    decoding, from `generated` tokens into their outputs on; a snapshot of every request each step (streaming)
+    or, `final_only`, outputs only at the end (`LLM.generate`)."""
+    max_len = prompt_len + generated + 4096  # room for the tokens early requests decode while later ones prefill
     kv = KVCacheManager(batch * -(-max_len // PAGE) + 8, PAGE, True)
     scheduler = Scheduler(kv, StepCostModel(CostModelConfig()), batch, 8192, max_len, cfg.eos_token_ids)
     engine = EngineCore(scheduler, InstantExecutor(cfg.vocab_size, batch), page_size=PAGE,
                         make_detokenizer=lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip))
-    params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True, stop=stop)
+    params = SamplingParams(temperature=0, max_tokens=generated + 4000, ignore_eos=True, stop=stop)
     rng = random.Random(1)
     for i in range(batch):
-        engine.add_request(str(i), [rng.randrange(256, cfg.vocab_size) for _ in range(prompt_len)], params)
-    decoding = set()
-    while len(decoding) < batch:  # the prompts' steps, until every request has sampled
-        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-    engine.step()
+        engine.add_request(str(i), [rng.randrange(256, cfg.vocab_size) for _ in range(prompt_len)], params,
+                           final_only=final_only)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # the prompts' steps, until every request has sampled
+    for _ in range(generated + 1):
+        engine.step()
     times = []
     for _ in range(steps):
         began = time.perf_counter()
         outputs = engine.step()
         times.append(time.perf_counter() - began)
-        if len(outputs) != batch or any(o.finished for o in outputs):
+        if len(engine.scheduler.running) != batch or len(outputs) != (0 if final_only else batch):
             raise RuntimeError(f"batch {batch}: {len(outputs)} outputs in a step, some finished: not a steady decode")
     engine.shutdown()
     return 1e3 * statistics.median(times)
@@ -87,18 +92,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-lens", default="64,4096")
+    ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
     tokenizer = Tokenizer(MODEL, cfg)
     res = {"python": sys.version.split()[0], "steps": args.steps, "ms_per_step": {}}
-    for n in map(int, args.prompt_lens.split(",")):
-        for b in map(int, args.batches.split(",")):
-            plain = measure(b, args.steps, None, tokenizer, cfg, n)
-            stops = measure(b, args.steps, ["<|no such text|>", "\x00END\x00"], tokenizer, cfg, n)  # never met
-            res["ms_per_step"][f"{b}x{n}"] = {"batch": b, "prompt_len": n, "plain": plain, "stop_strings": stops}
-            print(f"batch {b:4d}, prompts of {n:5d}: {plain:7.3f} ms a step ({1e3 * plain / b:6.1f} us a request), "
-                  f"with stop strings {stops:7.3f} ms", flush=True)
+    for n, gen, b in itertools.product(map(int, args.prompt_lens.split(",")), map(int, args.generated.split(",")),
+                                       map(int, args.batches.split(","))):
+        plain = measure(b, args.steps, None, tokenizer, cfg, n, gen)
+        stops = measure(b, args.steps, ["<|no such text|>", "\x00END\x00"], tokenizer, cfg, n, gen)  # never met
+        final = measure(b, args.steps, None, tokenizer, cfg, n, gen, final_only=True)
+        res["ms_per_step"][f"{b}x{n}+{gen}"] = {"batch": b, "prompt_len": n, "generated": gen, "streaming": plain,
+                                                 "stop_strings": stops, "final_only": final}
+        print(f"batch {b:4d}, prompts of {n:5d}, {gen:5d} generated: streaming {plain:7.3f} ms a step "
+              f"({1e3 * plain / b:5.1f} us a request), with stop strings {stops:7.3f}, final only {final:7.3f}",
+              flush=True)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -195,7 +195,7 @@ class LLM:
         order = []
         for (text, ids), sp in zip(parsed, params):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, sp, prompt=text)
+            self.engine.add_request(request_id, ids, sp, prompt=text, final_only=True)  # only the ends are read
             order.append(request_id)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:

@@ -145,7 +145,10 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None, final_only: bool = False) -> None:
+        """`final_only`: `step()` returns this request's output once, when it finishes, instead of a snapshot
+        every step (a snapshot copies the output so far: at 256 requests 2,000 tokens in, most of a step's host
+        time; bench/engine_host.py). For callers that read only the end, like `LLM.generate`."""
         if params.stop and self.make_detokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         spec = params.structured_outputs
@@ -161,6 +164,7 @@ class EngineCore:
         self.scheduler.add_request(request)  # validates; raises before anything is recorded
         tracker = self._trackers[request_id] = RequestTracker(
             request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output))
+        tracker.final_only = final_only
         if spec is not None:
             tracker.grammar = GrammarState(spec, future, time.monotonic() + self.grammars.timeout)
             self._compiling[request_id] = tracker
@@ -302,7 +306,7 @@ class EngineCore:
                 del self._trackers[request_id]
             elif tracker.grammar is not None and self.num_speculative_tokens:
                 self._force_drafts(tracker)
-        return [t.output() for t in touched.values()]
+        return [t.output() for t in touched.values() if not t.final_only or t.request.is_finished]
 
     def _force_drafts(self, tracker: RequestTracker) -> None:
         """Draft the tokens the grammar forces next (a JSON schema's keys and punctuation) instead of the

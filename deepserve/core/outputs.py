@@ -96,7 +96,8 @@ class RequestOutput:
     `prompt_logprobs` has one entry per prompt token and the first is None (nothing predicts the first token),
     as in vLLM. `num_cached_tokens` counts prompt tokens served from the prefix cache. With speculative decoding,
     `num_draft_tokens`, `num_verified_tokens` and `num_accepted_tokens` count the request's drafts made, checked
-    by the target model, and kept (0 without speculation).
+    by the target model, and kept (0 without speculation). A request's snapshots share one `prompt_token_ids`
+    list (copying a long prompt into every step's snapshot was most of the engine's host time per step).
     """
 
     request_id: str

@@ -34,6 +34,41 @@ class RequestStatus(enum.Enum):
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
+class TokenIds(Sequence[int]):
+    """A request's tokens, prompt then output, read in place: `len`, indexing and slicing without first joining
+    the two lists (a step reads a few tokens of each running request; joining copied its whole prompt each time,
+    ~30 ms a step at 256 requests of 4K-token prompts: bench/engine_host.py)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n : stop - n]
+            return self.prompt[start:] + self.output[: stop - n]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"token {index} of {len(self)}")
+        return self.prompt[index] if index < n else self.output[index - n]
+
+    def __iter__(self):
+        yield from self.prompt
+        yield from self.output
+
+
 class Request:
     """A live request, owned by the scheduler. Other layers see it through value objects (`SchedulerOutput`).
 
@@ -103,8 +138,9 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenIds:
+        """Prompt then output tokens, a view (slices are lists)."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:

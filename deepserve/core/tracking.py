@@ -41,11 +41,12 @@ class GrammarState:
 class RequestTracker:
     """Turns the tokens the scheduler appends into text and logprobs, and finds stop strings in that text."""
 
-    __slots__ = ("request", "prompt", "seed", "detok", "stops", "num_seen", "logprobs", "cumulative_logprob",
-                 "prompt_logprobs", "stop_match", "flushed", "grammar")
+    __slots__ = ("request", "prompt", "prompt_ids", "seed", "detok", "stops", "num_seen", "logprobs",
+                 "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only")
 
     def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker) -> None:
         self.request, self.prompt, self.seed, self.detok, self.stops = request, prompt, seed, detok, stops
+        self.prompt_ids = list(request.prompt_token_ids)  # every snapshot's prompt_token_ids: copied once
         self.num_seen = 0
         params = request.sampling_params
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
@@ -54,6 +55,7 @@ class RequestTracker:
         self.stop_match: StopStringMatch | None = None
         self.flushed = False
         self.grammar: GrammarState | None = None
+        self.final_only = False  # the engine reports this request only when it finishes
 
     def absorb(self, logprobs: PositionLogprobs | None, sampled_logprob: float | None) -> bool:
         """Take the token the scheduler just appended (if it did). True when there was one."""
@@ -92,13 +94,13 @@ class RequestTracker:
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self.prompt_logprobs.get(p) for p in range(1, request.num_prompt_tokens)]
         completion = CompletionOutput(
-            index=0, text=self.stops.text, token_ids=list(request.output_token_ids[: self.num_seen]),
+            index=0, text=self.stops.text, token_ids=request.output_token_ids[: self.num_seen],  # (a copy)
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
         )
         return RequestOutput(request_id=request.request_id, prompt=self.prompt,
-                             prompt_token_ids=list(request.prompt_token_ids), prompt_logprobs=prompt_logprobs,
+                             prompt_token_ids=self.prompt_ids, prompt_logprobs=prompt_logprobs,
                              outputs=[completion], finished=request.is_finished,
                              num_cached_tokens=request.num_cached_tokens,
                              num_draft_tokens=request.num_draft_tokens,
