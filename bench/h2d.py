@@ -47,14 +47,7 @@ def blocking(values, dtype, device):
     return torch.as_tensor(values, dtype=dtype).to(device)
 
 
-def adaptive(values, dtype, device):
-    host = torch.as_tensor(values, dtype=dtype)
-    if not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream(device).query():
-        return host.to(device)
-    return host.to(device, non_blocking=True)
-
-
-WAYS = {"pinned": pinned, "pageable": pageable, "blocking": blocking, "adaptive": adaptive}
+WAYS = {"pinned": pinned, "pageable": pageable, "blocking": blocking, "adaptive": batch.to_device}  # the last: ours
 
 
 def use(way) -> None:
@@ -118,7 +111,7 @@ def main() -> None:
         del states, cache
         print(f"  {name:<9} prefill 1K {res['prefill_ms'][name][1024]:7.2f} ms, 8K {res['prefill_ms'][name][8192]:7.2f}"
               f" ms; eager batch-1 decode {res['decode_b1_eager_ms'][name]:6.2f} ms", flush=True)
-    use(pinned)
+    use(WAYS["adaptive"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "h2d.json").write_text(json.dumps(res, indent=1) + "\n")
 

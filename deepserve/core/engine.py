@@ -163,8 +163,8 @@ class EngineCore:
         request.awaiting_grammar = spec is not None
         self.scheduler.add_request(request)  # validates; raises before anything is recorded
         tracker = self._trackers[request_id] = RequestTracker(
-            request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output))
-        tracker.final_only = final_only
+            request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output),
+            final_only)
         if spec is not None:
             tracker.grammar = GrammarState(spec, future, time.monotonic() + self.grammars.timeout)
             self._compiling[request_id] = tracker

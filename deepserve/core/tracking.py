@@ -44,8 +44,11 @@ class RequestTracker:
     __slots__ = ("request", "prompt", "prompt_ids", "seed", "detok", "stops", "num_seen", "logprobs",
                  "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only")
 
-    def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker) -> None:
+    def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker,
+                 final_only: bool = False) -> None:
+        """`final_only`: the engine reports this request only when it finishes (`EngineCore.add_request`)."""
         self.request, self.prompt, self.seed, self.detok, self.stops = request, prompt, seed, detok, stops
+        self.final_only = final_only
         self.prompt_ids = list(request.prompt_token_ids)  # every snapshot's prompt_token_ids: copied once
         self.num_seen = 0
         params = request.sampling_params
@@ -55,7 +58,6 @@ class RequestTracker:
         self.stop_match: StopStringMatch | None = None
         self.flushed = False
         self.grammar: GrammarState | None = None
-        self.final_only = False  # the engine reports this request only when it finishes
 
     def absorb(self, logprobs: PositionLogprobs | None, sampled_logprob: float | None) -> bool:
         """Take the token the scheduler just appended (if it did). True when there was one."""

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision
+from .common import SMS, dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -107,7 +107,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         # once there are queries enough to fill the machine (each key row is read once per program, so a second
         # head block read every key twice: an 8K CSA prefill 8.3 -> 3.0 ms), 32 heads for decode-sized steps
         block_n = 64
-        if T * triton.cdiv(H, 64) >= 2 * _SMS:
+        if T * triton.cdiv(H, 64) >= 2 * SMS:
             block_h = max(16, min(64, triton.next_power_of_2(H)))
         elif T * triton.cdiv(H, 32) <= 8:  # a step of 1-4 queries: 16 heads a program, keys split 16 ways (run 20:
             block_h, few_queries = 16, True  # a batch-1 step's 640 keys 16.8 -> 8.7 us; each program reads its keys)
@@ -122,7 +122,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         while splits < min(16, triton.cdiv(K, block_n)):
             splits *= 2
     elif programs <= 32:  # few queries: parts of at least 2 key blocks, up to about one program per multiprocessor
-        most = min(-(-_SMS // programs), K // (2 * block_n), 16)
+        most = min(-(-SMS // programs), K // (2 * block_n), 16)
         while splits * 2 <= most:
             splits *= 2
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
@@ -140,8 +140,3 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         _merge_kernel[(T, H)](part, stat, out, H, out.stride(0), out.stride(1), D=d, SPLITS=splits,
                               BLOCK_D=min(d, 256), num_warps=4)
     return out
-
-
-_SMS = 132  # multiprocessors of an H100/H200; set from the device at import below when CUDA is up
-if torch.cuda.is_available():
-    _SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

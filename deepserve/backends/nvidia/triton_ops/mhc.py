@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import SMS
+
 
 @triton.jit
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, stride_split, chunk,
@@ -192,7 +194,7 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         stride_part, stride_t = 0, mix.stride(0)
     # few tokens: each token's columns over up to 4 programs, each forming the token's weights itself (run 21)
     d_parts = 1
-    while d_parts < 4 and T * d_parts * 2 <= 2 * _SMS and D // (d_parts * 2) >= 256:
+    while d_parts < 4 and T * d_parts * 2 <= 2 * SMS and D // (d_parts * 2) >= 256:
         d_parts *= 2
     d_parts = tiles.get("d_parts", d_parts)
     chunk = triton.cdiv(triton.cdiv(D, d_parts), 256) * 256 if d_parts > 1 else D
@@ -208,9 +210,6 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
 
 
 SMALL_MIX_TOKENS = 64
-_SMS = 132  # multiprocessors of an H100/H200, read from the device when CUDA is up
-if torch.cuda.is_available():
-    _SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def hc_post(streams, block_out, post, comb, out=None):
