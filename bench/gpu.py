@@ -13,7 +13,8 @@
 4. deepserve (`NvidiaBackend`, model forward over the engine's paged cache, the runner's one device-to-host copy
    of the sampled ids per step): the same, at more sizes; decode both replaying CUDA graphs (`DecodeGraphs`, the
    engine's default) and launching every kernel (eager, `--enforce-eager` in the server), each over its own
-   prefilled cache; a profile of one eager decode step (GPU-busy time vs wall time).
+   prefilled cache; a profile of one eager decode step (GPU-busy time vs wall time). Where DeepGEMM loads
+   (`backends/nvidia/vendor.py`), each prefill is also timed with the Triton MoE kernels instead.
 5. MBU = bytes a decode step must read (every non-expert weight incl. the LM head, the shared expert, the routed
    experts the batch touches in expectation under uniform routing, each sequence's KV rows) / step time /
    measured copy bandwidth. MFU = model FLOPs / time / measured matrix rate.
@@ -397,6 +398,14 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
         try:
             s = timed(run, device, repeats=3)
             out["prefill"][n] = {"seconds": s, "tok_s": n / s}
+            vendor = getattr(model.backend, "deep_gemm", None)
+            if vendor is not None:  # the same prefill with the Triton MoE kernels: what the vendor GEMMs buy
+                model.backend.deep_gemm = None
+                try:
+                    s = timed(run, device, repeats=3)
+                finally:
+                    model.backend.deep_gemm = vendor
+                out["prefill"][n].update(seconds_triton_moe=s, tok_s_triton_moe=n / s)
         except torch.OutOfMemoryError as e:
             out["prefill"][n] = {"error": f"out of memory: {e}"[:200]}
         torch.cuda.empty_cache() if torch.device(device).type == "cuda" else None
@@ -522,8 +531,11 @@ def report(res: dict) -> str:
             if "error" in d:
                 lines.append(f"{who + ' ' + str(n):<26}{d['error'][:60]}")
                 continue
-            rate = d["flops"] / d["seconds"]
-            lines.append(f"{who + ' ' + str(n):<26}{d['tok_s']:>10.0f}{rate / 1e12:>10.1f}{rate / peak if peak else float('nan'):>8.1%}")
+            for tag, key in (("", "seconds"), (" (triton MoE)", "seconds_triton_moe")):
+                if key in d:
+                    rate = d["flops"] / d[key]
+                    lines.append(f"{who + ' ' + str(n) + tag:<26}{int(n) / d[key]:>10.0f}{rate / 1e12:>10.1f}"
+                                 f"{rate / peak if peak else float('nan'):>8.1%}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,mhc,rope,gemv,copies,syncs]  (default: all but syncs)
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,moe_small,mhc,rope,gemv,copies,syncs]  (default: all but syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
    + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
@@ -143,6 +143,28 @@ def sweep_moe(device, g) -> list[dict]:
             f"moe T={T}", lambda tiles: moe.moe_experts(x, ids, wts, w13, w2, 10.0, tiles=tiles), grid,
             graph=T <= 64)))
     return rows
+
+
+def sweep_moe_small(device, g) -> list[dict]:
+    """`moe_small` (one token's routed experts plus the shared one) inside CUDA graphs: gate/up and down tiles,
+    with the weights' bytes over the time."""
+    from deepserve.backends.nvidia.triton_ops import moe
+
+    E, D, I, k = 32, 4096, 2048, 6
+    w13 = torch.randn(E, 2 * I, D, device=device, dtype=torch.bfloat16, generator=g) / 64
+    w2 = torch.randn(E, D, I, device=device, dtype=torch.bfloat16, generator=g) / 45
+    s13, s2 = w13[0].clone(), w2[0].clone()
+    x = torch.randn(1, D, device=device, dtype=torch.bfloat16, generator=g)
+    ids = torch.randperm(E, device=device, generator=g)[:k][None]
+    wts = torch.rand(1, k, device=device, generator=g)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    grid = [dict(gate_up_n=gn, gate_up_k=gk, down_n=dn, down_k=dk, num_warps=w, num_stages=st)
+            for gn, gk, dn, dk, w, st in itertools.product((16, 32), (256, 512), (32, 64), (128, 256), (2, 4), (3,))]
+    res = sweep_tiles("moe_small T=1", lambda tiles: moe.moe_small(x, ids, wts, w13, w2, 10.0, s13, s2, counters,
+                                                                   tiles=tiles), grid, graph=True)
+    gb = (k + 1) * 3 * I * D * 2 / 1e6
+    print(f"    default {gb / res['default_ms']:.0f} GB/s, best {gb / res['best'][0]['ms']:.0f} GB/s", flush=True)
+    return [dict(tokens=1, **res)]
 
 
 def sweep_rope(device, g) -> list[dict]:
@@ -344,7 +366,8 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(0)}
     parts = args.only.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
-    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("mhc", sweep_mhc), ("rope", sweep_rope),
+    for part, fn in (("attention", sweep_attention), ("moe", sweep_moe), ("moe_small", sweep_moe_small),
+                     ("mhc", sweep_mhc), ("rope", sweep_rope),
                      ("gemv", sweep_gemv), ("copies", None),
                      ("syncs", None)):
         if part not in parts:

@@ -81,6 +81,20 @@ class Backend(ABC):
         """mHC input side: from the residual streams [T, n, D] compute `pre`, `post` and the Sinkhorn-projected
         `comb`, and collapse the streams with `pre`. Returns (collapsed [T, D], post [T, n], comb [T, n, n])."""
 
+    def rms_norm_rope(self, x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """`rms_norm(x, weight, eps)` then RoPE (`apply_rope`) on the result: a backend may do both in one launch.
+        Returns a new tensor."""
+        return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
+
+    def hc_pre_norm(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
+        weight: Tensor, eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`hc_pre`, then the block's input RMSNorm (`weight`, `eps`) of the collapsed streams: a backend may do
+        both in one launch. Returns (normed [T, D], post [T, n], comb [T, n, n])."""
+        x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return self.rms_norm(x, weight, eps), post, comb
+
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """mHC output side: `X'_k = post_k * y + sum_j comb[j, k] * X_j`. Returns the new streams [T, n, D]."""
@@ -122,6 +136,23 @@ class Backend(ABC):
         (ids [T, k] int64, weights [T, k] fp32), or None (the default) when the backend has no kernel for it."""
         return None
 
+    def route_hidden(self, x: Tensor, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
+                     token_ids: Tensor, top_k: int, scale: float):
+        """Optional fused op: the router's logits `linear_fp32(x, weight)` and `route` on them in one, where hash
+        layers give their table `tid2eid` [vocab, k] and the step's `token_ids` [T] instead of `hash_ids`.
+        Returns (ids, weights) as `route` does, or None (the default) when the backend has no kernel for it."""
+        return None
+
+    def moe_with_shared(
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, limit: float,
+        shared_w13: Tensor, shared_w2: Tensor,
+    ) -> Tensor | None:
+        """Optional fused op: `moe_experts(x, topk_ids, topk_weights, w13, w2, limit)` plus the shared expert
+        (`shared_w13` [2I, D]: gate rows then up rows; `shared_w2` [D, I]; the same clamped SwiGLU, weight 1) as
+        one [T, D] sum. None (the default) when the backend has no kernel for these shapes; the model then runs
+        the routed and the shared experts apart and adds them."""
+        return None
+
     def compress_decode(
         self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
         open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,
@@ -148,6 +179,12 @@ class Backend(ABC):
         then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
         rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""
         return None
+
+    def paged_window_write(self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, window: int) -> bool:
+        """Optional fused op: row t of kv [T, d] into its sequence's window ring, storage row `slot[t] * window +
+        positions[t] % window` (the caller's rows name distinct ring slots). False (the default) when the backend
+        has no kernel for it; the caller then scatters with torch."""
+        return False
 
     #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
     #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented

@@ -68,10 +68,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]) -> torch.Tensor:
         b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
         qr = b.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
-        q = b.rms_norm(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), None, eps)
-        q = b.apply_rope(q, batch.positions, self.inv_freq, inplace=True)
-        kv = b.apply_rope(b.rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), batch.positions, self.inv_freq,
-                          inplace=True)
+        q = b.rms_norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), None, eps, batch.positions,
+                            self.inv_freq)
+        kv = b.rms_norm_rope(self.kv_proj(x), self.kv_norm.weight, eps, batch.positions, self.inv_freq)
 
         static = batch.static
         if static is not None:  # a fixed-shape decode step: everything from device tensors, no host state
@@ -82,14 +81,16 @@ class Attention(nn.Module):
             pools = self._paged_pools(kv, batch, states)
             layout = paged_layout(batch, states) if pools is not None else None
         if pools is not None:  # the batched zero-copy decode path
-            pool, indices, ring_rows = self._paged_key_pool(kv, batch, layout, compressed, pools)
+            pool, indices = self._paged_key_pool(kv, batch, layout, compressed, pools)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+            positions, slot, keep = batch.positions, layout.slot[:, 0], None
             if static is None:  # a static step's snapshots are taken after it, from the written rings
                 self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
                 keep = self._ring_rows_kept(batch, kv.device)
                 if keep is not None:
-                    ring_rows, kv = ring_rows[keep], kv[keep]
-            pool.index_put_((ring_rows,), kv)  # every sequence's window-ring write in one scatter
+                    positions, slot, kv = positions[keep], slot[keep], kv[keep]
+            if not b.paged_window_write(pool, kv, positions, slot, self.window):
+                pool.index_put_((slot * self.window + positions % self.window,), kv)  # all rings in one scatter
         else:
             pool, indices, windows = self._key_pool(kv, batch, states, compressed)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
@@ -194,24 +195,22 @@ class Attention(nn.Module):
         """`_key_pool` over the paged storage itself, with no copy of rings or rows and a fixed number of
         device ops: a query's window keys are ring rows `slot * W + position % W` (positions before its chunk)
         or its chunk's new rows (copied to the scratch region), its compressed row r is `comp_base +
-        table[r // rpp] * rpp + r % rpp`. The same keys in the same order as `_key_pool`, so the same results.
-        Also returns the storage rows of the new tokens' ring slots, for the window write after attention."""
+        table[r // rpp] * rpp + r % rpp`. The same keys in the same order as `_key_pool`, so the same results."""
         W, T = self.window, kv.shape[0]
         storage = pools.storage
         storage[pools.scratch_base : pools.scratch_base + T] = kv
-        ring_rows = layout.slot[:, 0] * W + batch.positions % W
         rows = self.backend.paged_key_rows(batch.positions, layout.chunk_start, layout.chunk_offset, layout.slot,
                                            layout.query_tables, compressed, W, pools.rows_per_page, pools.comp_base,
                                            pools.scratch_base)
         if rows is not None:  # the backend's one-launch kernel
-            return storage, rows, ring_rows
+            return storage, rows
         parts = [self._window_indices(batch.positions, layout.chunk_start, layout.slot * W,
                                       pools.scratch_base + layout.chunk_offset)]
         if compressed is not None:
             rpp, row = pools.rows_per_page, compressed.clamp(min=0)
             page = torch.gather(layout.query_tables, 1, row // rpp)
             parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
-        return storage, torch.cat(parts, dim=1), ring_rows
+        return storage, torch.cat(parts, dim=1)
 
     def _snapshot_windows(self, batch: ForwardBatch, states, pools) -> None:
         """Window tails [boundary - W, boundary) at the page boundaries the chunks cross, from the storage (ring

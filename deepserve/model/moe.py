@@ -26,6 +26,10 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.backend.route_hidden(x, self.weight, None if self.is_hash else self.e_score_correction_bias,
+                                          self.tid2eid if self.is_hash else None, token_ids, self.top_k, self.scale)
+        if fused is not None:  # logits and routing in one launch
+            return fused
         logits = self.backend.linear_fp32(x, self.weight)  # a backend that multiplies bf16 with fp32 output
         if logits is None:
             logits = self.backend.linear(x.float(), self.weight.float())
@@ -63,6 +67,15 @@ class SharedExpert(nn.Module):
         """gate and up read the same input (one GEMM once grouped: `common.SharedInput`)."""
         return [self.gate_proj, self.up_proj]
 
+    def gate_up_weight(self) -> torch.Tensor | None:
+        """gate and up as one [2I, D] weight, gate rows first (a routed expert's `gate_up_proj` layout), when
+        `SharedInput` has stacked just these two in that order (no copy); else None."""
+        group = self.gate_proj.shared
+        if group is None or self.up_proj.shared is not group or len(group.spans) != 2:
+            return None
+        (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
+        return group.weight if a == 0 and b == c and d == group.weight.shape[0] else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
@@ -77,6 +90,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
+        shared_w13 = self.shared_experts.gate_up_weight()
+        if shared_w13 is not None:  # the backend's routed + shared experts in one pass, where it has one
+            fused = self.backend.moe_with_shared(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,
+                                                 self.limit, shared_w13, self.shared_experts.down_proj.weight)
+            if fused is not None:
+                return fused
         routed = self.backend.moe_experts(
             x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, self.limit
         )

@@ -110,6 +110,67 @@ def check_moe(device, T, D, I, E, top_k, seed=0) -> float:
     return rel_err(out, ref)
 
 
+def check_moe_small(device, T, D, I, E, top_k, seed=0, dtype=torch.bfloat16) -> float:
+    """`moe_small` (routed + shared expert) against the reference's routed experts plus its shared expert."""
+    from deepserve.backends.nvidia.triton_ops.moe import moe_small
+
+    g = gen(device, seed)
+    x = randn((T, D), g, device, dtype)
+    w13 = randn((E, 2 * I, D), g, device, dtype, std=D**-0.5)
+    w2 = randn((E, D, I), g, device, dtype, std=I**-0.5)
+    s13, s2 = randn((2 * I, D), g, device, dtype, std=D**-0.5), randn((D, I), g, device, dtype, std=I**-0.5)
+    weights, ids = torch.topk(torch.rand((T, E), generator=g, device=device), top_k, dim=1)
+    if top_k > 1:
+        ids[0, 1] = ids[0, 0]  # a token picking an expert twice counts it twice
+    limit = 1.5
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    for _ in range(2):  # twice on the same counters: a call leaves them at zero
+        out = moe_small(x, ids, weights * 1.5, w13, w2, limit, s13, s2, counters)
+        assert not counters.any()
+    ref_b = ReferenceBackend(device)
+    xf = x.float()
+    ref = ref_b.moe_experts(xf, ids, weights * 1.5, w13.float(), w2.float(), limit)
+    gate, up = ref_b.linear(xf, s13.float()).chunk(2, dim=-1)
+    ref = ref + ref_b.linear(ref_b.swiglu(gate, up, limit), s2.float())
+    return rel_err(out, ref)
+
+
+class TorchGroupedGemm:
+    """DeepGEMM's `m_grouped_bf16_gemm_nt_contiguous` contract done with torch (row r of d is a[r] @ b[e].T for
+    its expert e = layout[r], rows with e = -1 left alone): checks the layout deepserve builds for it."""
+
+    def __init__(self, alignment: int):
+        self.alignment = alignment
+
+    def get_mk_alignment_for_contiguous_layout(self) -> int:
+        return self.alignment
+
+    def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, layout):
+        assert a.shape[0] == d.shape[0] == layout.shape[0] and layout.dtype == torch.int32
+        assert a.shape[0] % self.alignment == 0
+        for e in range(b.shape[0]):
+            rows = (layout == e).nonzero().flatten()
+            if rows.numel():
+                assert rows.numel() % self.alignment == 0 or (layout[rows[-1] + 1:] != e).all()
+                d[rows] = (a[rows].float() @ b[e].float().t()).to(d.dtype)
+
+
+def check_moe_deep_gemm(device, T, D, I, E, top_k, dg=None, seed=0, dtype=torch.bfloat16) -> float:
+    """`vendor.moe_experts_deep_gemm` (DeepGEMM's grouped GEMMs when `dg` is the module, else their torch
+    stand-in) against the reference's routed experts."""
+    from deepserve.backends.nvidia.vendor import moe_experts_deep_gemm
+
+    g = gen(device, seed)
+    x = randn((T, D), g, device, dtype)
+    w13 = randn((E, 2 * I, D), g, device, dtype, std=D**-0.5)
+    w2 = randn((E, D, I), g, device, dtype, std=I**-0.5)
+    weights, ids = torch.topk(torch.rand((T, E), generator=g, device=device), top_k, dim=1)
+    ids[:, 0] = 0  # one expert with many rows, others with few or none
+    out = moe_experts_deep_gemm(dg or TorchGroupedGemm(16), x, ids, weights, w13, w2, 1.5)
+    ref = ReferenceBackend(device).moe_experts(x.float(), ids, weights, w13.float(), w2.float(), 1.5)
+    return rel_err(out, ref)
+
+
 def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, float]:
     """Relative errors of hc_pre's (collapsed, post, comb) and of hc_post."""
     from deepserve.backends.nvidia.triton_ops.mhc import hc_post, hc_pre
@@ -126,6 +187,43 @@ def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, fl
     new = hc_post(streams, y, post, comb, out=poisoned(streams.shape, torch.bfloat16, device))
     rnew = ref_b.hc_post(streams.float(), y.float(), rpost, rcomb)
     return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb), rel_err(new, rnew)
+
+
+def check_hc_pre_norm(device, T, n, D, fused, iters=20, seed=0, dtype=torch.bfloat16) -> tuple[float, float, float]:
+    """hc_pre with the input RMSNorm (`norm_weight`), in one launch when `fused` (arrival counters given, called
+    twice on them), against the reference's hc_pre then rms_norm: relative errors of (normed, post, comb)."""
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
+
+    g = gen(device, seed)
+    streams = randn((T, n, D), g, device, dtype)
+    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
+    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=device)
+    counters = torch.zeros(8, dtype=torch.int32, device=device) if fused else None
+    for _ in range(2 if fused else 1):
+        x, post, comb = hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, out=poisoned((T, D), dtype, device),
+                               counters=counters, norm_weight=weight, eps=1e-5)
+        assert counters is None or not counters.any()
+    ref_b = ReferenceBackend(device)
+    rx, rpost, rcomb = ref_b.hc_pre_norm(streams.float(), fn, base, scale, iters, 1e-6, 1e-6, weight, 1e-5)
+    return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb)
+
+
+def check_window_write(device, T, W, D, slots, seed=0) -> None:
+    """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
+    from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
+
+    g = gen(device, seed)
+    storage = randn((slots * W + 7, D), g, device)
+    kv = randn((T, D), g, device)
+    slot = torch.randperm(slots, generator=g, device=device)[:T]
+    positions = torch.randint(0, 10 * W, (T,), generator=g, device=device)
+    meta = torch.stack((positions, slot), dim=1)  # columns of one tensor, as a static step passes them
+    expect = storage.clone()
+    expect[slot * W + positions % W] = kv
+    paged_window_write(storage, kv, meta[:, 0], meta[:, 1], W)
+    assert torch.equal(storage, expect)
 
 
 def check_rms_norm(device, shape, weighted, dtype=torch.bfloat16, seed=0) -> float:
@@ -148,6 +246,25 @@ def check_rope(device, T, H, d, rope_dim, max_pos, inverse, seed=0, tiles=None) 
     out = apply_rope(x, positions, inv_freq, inverse, out=poisoned(x.shape, torch.bfloat16, device), tiles=tiles)
     ref = ReferenceBackend(device).apply_rope(x.float(), positions, inv_freq, inverse)
     assert torch.equal(out[..., : d - rope_dim], x[..., : d - rope_dim]), "the unrotated dims changed"
+    return rel_err(out, ref)
+
+
+def check_norm_rope(device, shape, rope_dim, weighted, seed=0, dtype=torch.bfloat16) -> float:
+    """`rms_norm_rope` against the reference's rms_norm then apply_rope, on a strided view of its input (the
+    key projection is a column slice of the grouped input projections)."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import rms_norm_rope
+
+    g = gen(device, seed)
+    T, d = shape[0], shape[-1]
+    wide = randn((T, *shape[1:-1], d + 8), g, device, dtype)
+    x = wide[..., 4 : 4 + d]
+    weight = 1.0 + 0.1 * torch.randn(d, generator=g, device=device) if weighted else None
+    positions = torch.randint(0, 5000, (T,), generator=g, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    out = rms_norm_rope(x, weight, 1e-6, positions, inv_freq)
+    ref_b = ReferenceBackend(device)
+    ref = ref_b.apply_rope(ref_b.rms_norm(x.float(), weight, 1e-6), positions, inv_freq)
+    assert out.shape == x.shape
     return rel_err(out, ref)
 
 
@@ -255,6 +372,73 @@ def test_moe_experts(T):
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("shape,weighted", [((1, 64, 512), False), ((300, 64, 512), False), ((3, 512), True),
+                                            ((2, 64, 128), True)])
+def test_rms_norm_rope(shape, weighted):
+    assert check_norm_rope(CUDA, shape, 64, weighted, seed=shape[0]) < BF16_TOL
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_paged_window_write(T):
+    check_window_write(CUDA, T, W=128, D=512, slots=100, seed=T)
+
+
+@pytest.mark.parametrize("T,fused", [(1, True), (4, True), (5, True), (1, False), (300, False)])
+def test_hc_pre_norm(T, fused):
+    errs = check_hc_pre_norm(CUDA, T, n=4, D=4096, fused=fused, seed=T)
+    print(f"hc_pre + norm T={T} fused={fused}: rel errs {errs}")
+    assert max(errs) < BF16_TOL
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_moe_small(T):
+    err = check_moe_small(CUDA, T, D=4096, I=2048, E=32, top_k=6, seed=T)
+    print(f"moe_small T={T}: rel err {err:.2e}")
+    assert err < BF16_TOL
+
+
+def test_moe_sorted_layout_and_combine():
+    """The layout, gathers and weighted sum around the vendor grouped GEMM, with a torch stand-in for it."""
+    assert check_moe_deep_gemm(CUDA, 300, D=256, I=128, E=8, top_k=3) < BF16_TOL
+
+
+@pytest.mark.parametrize("T", [700, 8192])
+def test_moe_deep_gemm(T):
+    """DeepGEMM's grouped GEMMs in the routed experts, where it is installed and loads."""
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    dg = NvidiaBackend().deep_gemm
+    if dg is None:
+        pytest.skip("deep_gemm is not installed or does not load here")
+    err = check_moe_deep_gemm(CUDA, T, D=4096, I=2048, E=32, top_k=6, dg=dg, seed=T)
+    print(f"moe_experts_deep_gemm T={T}: rel err {err:.2e}")
+    assert err < BF16_TOL
+
+
+def test_backend_fuses_the_shared_expert_for_few_tokens():
+    """The model's MoE through `moe_with_shared` (one token) equals its routed + shared path within bf16, and
+    wider steps or fp32 weights are declined."""
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    b = NvidiaBackend()
+    g = gen(CUDA, 7)
+    w13, w2 = randn((8, 256, 512), g, CUDA, std=512**-0.5), randn((8, 512, 128), g, CUDA, std=128**-0.5)
+    s13, s2 = randn((256, 512), g, CUDA, std=512**-0.5), randn((512, 128), g, CUDA, std=128**-0.5)
+    for T in (1, 2):
+        x = randn((T, 512), g, CUDA)
+        weights, ids = torch.topk(torch.rand((T, 8), generator=g, device=CUDA), 2, dim=1)
+        out = b.moe_with_shared(x, ids, weights, w13, w2, 10.0, s13, s2)
+        if T > 1:
+            assert out is None
+            continue
+        gate, up = b.linear(x, s13).chunk(2, dim=-1)
+        ref = b.moe_experts(x, ids, weights, w13, w2, 10.0) + b.linear(b.swiglu(gate, up, 10.0), s2)
+        assert rel_err(out, ref) < BF16_TOL
+    x = randn((1, 512), g, CUDA)
+    assert b.moe_with_shared(x.float(), ids[:1], weights[:1], w13.float(), w2.float(), 10.0, s13.float(),
+                             s2.float()) is None
+
+
 @pytest.mark.parametrize("T", [1, 64, 300, 4100])  # above 64 tokens: the mix from three bf16 terms of fn
 def test_hc(T):
     x, post, comb, new = check_hc(CUDA, T, n=4, D=4096, seed=T)
@@ -334,6 +518,56 @@ def test_route(E, top_k, hashed):
     ref = scores.gather(1, ids)
     ref = ref / (ref.sum(-1, keepdim=True) + 1e-20) * 2.5
     assert float((weights - ref).abs().max()) < 1e-6
+
+
+def check_route_hidden(device, T, D, E, top_k, hashed, seed=0, dtype=torch.bfloat16, parts=None):
+    """`route_hidden` against fp32 logits of the same 16-bit values through the reference routing; returns the
+    largest weight error. Called twice on one counter (it must leave the counter at zero)."""
+    from deepserve.backends.nvidia.triton_ops.moe import route_hidden
+
+    g = gen(device, seed)
+    x, w = randn((T, D), g, device, dtype), randn((E, D), g, device, dtype, std=D**-0.5)
+    bias = torch.randn(E, generator=g, device=device) * 0.1
+    table = torch.stack([torch.randperm(E, device=device)[:top_k] for _ in range(50)]) if hashed else None
+    tokens = torch.randint(0, 50, (T,), generator=g, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    for _ in range(2):
+        ids, weights = route_hidden(x, w, None if hashed else bias, table, tokens, top_k, 1.5, counter, parts)
+        assert int(counter.item()) == 0
+    ref_b = ReferenceBackend(device)
+    scores = ref_b.router_scores(x.float() @ w.float().t())
+    expect = table[tokens] if hashed else torch.topk(scores + bias, top_k, dim=-1).indices
+    assert torch.equal(ids.sort(1).values, expect.sort(1).values)
+    ref = scores.gather(1, ids)
+    ref = ref / (ref.sum(-1, keepdim=True) + 1e-20) * 1.5
+    return float((weights - ref).abs().max())
+
+
+@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_route_hidden(T, hashed):
+    assert check_route_hidden(CUDA, T, D=4096, E=32, top_k=6, hashed=hashed, seed=T) < 1e-5
+
+
+def test_route_hidden_in_a_cuda_graph():
+    """Replayed many times from a graph, the counter keeps working (each launch leaves it at zero)."""
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    b = NvidiaBackend()
+    g = gen(CUDA, 3)
+    x, w = randn((2, 4096), g, CUDA), randn((32, 4096), g, CUDA, std=4096**-0.5)
+    bias = torch.zeros(32, device=CUDA)
+    tokens = torch.zeros(2, dtype=torch.long, device=CUDA)
+    eager = b.route_hidden(x, w, bias, None, tokens, 6, 1.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = b.route_hidden(x, w, bias, None, tokens, 6, 1.0)
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    assert not b._arrivals.any()
+    assert b.route_hidden(randn((17, 4096), g, CUDA), w, bias, None, tokens, 6, 1.0) is None  # > 16 tokens
 
 
 def test_swiglu_kernel():

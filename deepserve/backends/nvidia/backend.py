@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.core.interfaces import BackendUnavailable
 
+from . import vendor
+
 logger = logging.getLogger(__name__)
+
+#: (token, expert) pairs from which a step's routed experts go to DeepGEMM when it is loaded (a 1K prefill has
+#: 6K; decode graphs stay below it up to batch 682 at top-6)
+DEEP_GEMM_MIN_PAIRS = 4096
 
 
 def triton_available() -> bool:
@@ -42,7 +48,8 @@ class NvidiaBackend(ReferenceBackend):
 
     GEMMs go straight to cuBLAS; sparse attention, the indexer's scores, the routed experts (grouped GEMMs with
     the clamped SwiGLU fused), the mHC mixing, RMSNorm and RoPE are Triton kernels (`triton_ops/`), each checked
-    against the reference ops in `tests/gpu/`. Sampling is the reference's.
+    against the reference ops in `tests/gpu/`. Sampling is the reference's. Where DeepGEMM (`sgl-deep-gemm`)
+    is installed and loads, the routed experts of long steps use its grouped GEMMs (`vendor.py`).
 
     Not batch-invariant: cuBLAS and the kernels pick tiles by batch size, the indexer's ties go to whichever row
     `torch.topk` returns first, and the MoE sums each token's experts in bf16 pairs. The reference backend (on
@@ -77,6 +84,10 @@ class NvidiaBackend(ReferenceBackend):
         self.fast = fast
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
+        self.deep_gemm = vendor.load_deep_gemm(index) if fast else None  # `vendor.py`: None unless it loads
+        # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`):
+        # zero between launches, so one stream's kernels share them
+        self._arrivals: torch.Tensor | None = None
         if fast and triton_available():
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
                 from .triton_ops import attention, decode, elementwise, gemv, indexer, mhc, moe
@@ -86,10 +97,12 @@ class NvidiaBackend(ReferenceBackend):
                 self.kernels = SimpleNamespace(attention=attention, decode=decode, elementwise=elementwise,
                                                gemv=gemv, indexer=indexer, mhc=mhc, moe=moe)
                 self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
+                self._arrivals = torch.zeros(4096, dtype=torch.int32, device=self.device)
 
     def __repr__(self) -> str:
         major, minor = self.compute_capability
         path = "reference ops" if not self.fast else ("triton" if self.kernels else "cuBLAS only")
+        path += " + deep_gemm" if self.deep_gemm is not None else ""
         return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor}, {path})"
 
     # -- GEMMs: cuBLAS, no row padding; `gemv` for the wide projections of 1-4 rows --------------------------------
@@ -138,6 +151,11 @@ class NvidiaBackend(ReferenceBackend):
             return super().apply_rope(x, positions, inv_freq, inverse)
         return self.kernels.elementwise.apply_rope(x, positions, inv_freq, inverse, inplace=inplace)
 
+    def rms_norm_rope(self, x, weight, eps, positions, inv_freq):
+        if self.kernels is None or not x.is_cuda or x.shape[-1] > 4096 or 2 * inv_freq.shape[0] > x.shape[-1]:
+            return super().rms_norm_rope(x, weight, eps, positions, inv_freq)
+        return self.kernels.elementwise.rms_norm_rope(x, weight, eps, positions, inv_freq)
+
     def router_scores(self, logits):
         if not self.fast:
             return super().router_scores(logits)
@@ -149,6 +167,14 @@ class NvidiaBackend(ReferenceBackend):
         if self.kernels is not None and gate.is_cuda and gate.dim() == 2:
             return self.kernels.elementwise.swiglu(gate, up, limit)
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    def route_hidden(self, x, weight, bias, tid2eid, token_ids, top_k, scale):
+        """`route_hidden` for up to 16 tokens with a 16-bit router weight of x's dtype, at most 256 experts."""
+        if (self._arrivals is None or not x.is_cuda or not 0 < x.shape[0] <= self.kernels.moe.ROUTE_HIDDEN_TOKENS
+                or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
+                or weight.shape[0] > 256 or x.stride(-1) != 1 or weight.stride(-1) != 1):
+            return None
+        return self.kernels.moe.route_hidden(x, weight, bias, tid2eid, token_ids, top_k, scale, self._arrivals)
 
     def route(self, logits, bias, hash_ids, top_k, scale):
         if self.kernels is None or not logits.is_cuda or logits.shape[1] > 4096:
@@ -164,6 +190,12 @@ class NvidiaBackend(ReferenceBackend):
         if not self._hc_fast(streams):
             return super().hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
         return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+
+    def hc_pre_norm(self, streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps):
+        if not self._hc_fast(streams):
+            return super().hc_pre_norm(streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps)
+        return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, counters=self._arrivals,
+                                       norm_weight=weight, eps=eps)
 
     def hc_post(self, streams, block_out, post, comb):
         if not self._hc_fast(streams):
@@ -200,6 +232,12 @@ class NvidiaBackend(ReferenceBackend):
         return self.kernels.decode.paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compressed,
                                                   window, rows_per_page, comp_base, scratch_base)
 
+    def paged_window_write(self, storage, kv, positions, slot, window):
+        if self.kernels is None or not kv.is_cuda or kv.stride(-1) != 1 or storage.stride(-1) != 1:
+            return False
+        self.kernels.decode.paged_window_write(storage, kv, positions, slot, window)
+        return True
+
     def indexer_topk_paged(self, q, weights, pages, tables, key_count, topk):
         di = q.shape[-1]
         if self.kernels is None or not q.is_cuda or di & (di - 1):
@@ -216,4 +254,31 @@ class NvidiaBackend(ReferenceBackend):
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
         if self.kernels is None or not x.is_cuda:
             return super().moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        if self._deep_gemm_moe(x, topk_ids, w13, w2):
+            try:
+                return vendor.moe_experts_deep_gemm(self.deep_gemm, x, topk_ids, topk_weights, w13, w2, limit)
+            except Exception as e:  # noqa: BLE001 - a vendor kernel that fails here is dropped, not fatal
+                logger.warning("deep_gemm's grouped GEMM failed (%s): the Triton MoE kernels take over", e)
+                self.deep_gemm = None
         return self.kernels.moe.moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+
+    def _deep_gemm_moe(self, x, topk_ids, w13, w2) -> bool:
+        """Whether DeepGEMM takes these routed experts: loaded, a long step (at least DEEP_GEMM_MIN_PAIRS pairs,
+        never a captured decode step), bf16 operands, dims in whole 128-wide tiles."""
+        return (self.deep_gemm is not None and topk_ids.numel() >= DEEP_GEMM_MIN_PAIRS
+                and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and x.shape[1] % 128 == 0
+                and w2.shape[2] % 128 == 0 and w13.is_contiguous() and w2.is_contiguous()
+                and not torch.cuda.is_current_stream_capturing())
+
+    def moe_with_shared(self, x, topk_ids, topk_weights, w13, w2, limit, shared_w13, shared_w2):
+        """`moe_small` for a single token (`SMALL_TOKENS`) with 16-bit weights of x's dtype, contiguous rows, and a
+        shared expert of the routed experts' shapes, hidden size at most 64K; else None (the grouped kernels, then
+        the shared expert)."""
+        if (self._arrivals is None or not x.is_cuda or not 0 < x.shape[0] <= self.kernels.moe.SMALL_TOKENS
+                or x.shape[1] > 65536
+                or x.dtype not in (torch.bfloat16, torch.float16)
+                or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in (w13, w2, shared_w13, shared_w2))
+                or shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]):
+            return None
+        return self.kernels.moe.moe_small(x, topk_ids, topk_weights, w13, w2, limit, shared_w13, shared_w2,
+                                          self._arrivals)

@@ -166,3 +166,24 @@ def paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compresse
         W=window, RPP=max(int(rows_per_page), 1), BLOCK_W=triton.next_power_of_2(window), BLOCK_K=128, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _window_write_kernel(kv_ptr, storage_ptr, pos_ptr, slot_ptr, D, stride_kv, stride_s, stride_pos, stride_slot,
+                         W: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    row = tl.load(slot_ptr + t * stride_slot).to(tl.int64) * W + tl.load(pos_ptr + t * stride_pos) % W
+    d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        v = tl.load(kv_ptr + t * stride_kv + d0 + d, mask=d0 + d < D)
+        tl.store(storage_ptr + row * stride_s + d0 + d, v.to(storage_ptr.dtype.element_ty), mask=d0 + d < D)
+
+
+def paged_window_write(storage, kv, positions, slot, window):
+    """The backend op `paged_window_write`: one program per row (where torch spent a multiply, a remainder, an
+    add and a scatter: four launches a layer at decode)."""
+    T, D = kv.shape
+    if T:
+        _window_write_kernel[(T,)](kv, storage, positions, slot, D, kv.stride(0), storage.stride(0),
+                                   positions.stride(0), slot.stride(0), W=window,
+                                   BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)

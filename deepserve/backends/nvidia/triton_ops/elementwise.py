@@ -110,6 +110,62 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, eps, stride_pos, stride_xt, stride_xm,
+                      stride_ot, stride_om, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
+    """`_rms_norm_kernel` then `_rope_kernel` on BLOCK_M rows of one token: the rows' normed values are rounded
+    to the output dtype before the rotation, as the two kernels round them."""
+    t = tl.program_id(0)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    nope = d - 2 * half
+    src = x_ptr + t.to(tl.int64) * stride_xt + m[:, None] * stride_xm
+    dst = out_ptr + t.to(tl.int64) * stride_ot + m[:, None] * stride_om
+    c = tl.arange(0, BLOCK_C)[None, :]
+    x = tl.load(src + c, mask=(m < M)[:, None] & (c < d), other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)[:, None]
+    y = x * r
+    if HAS_W:
+        y = y * tl.load(w_ptr + c, mask=c < d, other=0.0).to(tl.float32)
+    tl.store(dst + c, y.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (c < nope))
+    i = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    ok = (m < M)[:, None] & (i < 2 * half)
+    y = tl.load(src + nope + i, mask=ok, other=0.0).to(tl.float32) * r
+    if HAS_W:
+        y = y * tl.load(w_ptr + nope + i, mask=i < 2 * half, other=0.0).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    h = tl.arange(0, BLOCK_HALF)
+    angle = tl.load(pos_ptr + t * stride_pos).to(tl.float32) * tl.load(freq_ptr + h, mask=h < half, other=0.0)
+    cos = libdevice.cos(angle)[None, :]
+    sin = libdevice.sin(angle)[None, :]
+    even, odd = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_HALF, 2)))
+    y = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_M, 2 * BLOCK_HALF))
+    tl.store(dst + nope + i, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor) -> torch.Tensor:
+    """The backend op `rms_norm_rope`: x [T, ..., d] (rows at most 4K wide) normed and rotated into a new tensor,
+    one launch where `rms_norm` and `apply_rope` took two (a decode step's queries and keys: four a layer)."""
+    T, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
+    x3 = x.reshape(T, -1, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    out = torch.empty((T, x3.shape[1], d), dtype=x.dtype, device=x.device)
+    M = x3.shape[1]
+    if T and M:
+        block_c = triton.next_power_of_2(d)
+        block_m = max(1, min(triton.next_power_of_2(M), 4096 // block_c))
+        freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
+        _norm_rope_kernel[(T, triton.cdiv(M, block_m))](
+            x3, weight if weight is not None else x3, positions, freq, out, M, d, half, float(eps),
+            positions.stride(0), x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
+            HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+            BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4 if block_m * block_c >= 2048 else 2,
+        )
+    return out.view(x.shape)
+
+
+@triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n, cols, stride_g, stride_u, stride_o, limit, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
