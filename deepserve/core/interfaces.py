@@ -86,15 +86,6 @@ class Backend(ABC):
         Returns a new tensor."""
         return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
 
-    def hc_pre_norm(
-        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """`hc_pre`, then the block's input RMSNorm (`weight`, `eps`) of the collapsed streams: a backend may do
-        both in one launch. Returns (normed [T, D], post [T, n], comb [T, n, n])."""
-        x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
-        return self.rms_norm(x, weight, eps), post, comb
-
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """mHC output side: `X'_k = post_k * y + sum_j comb[j, k] * X_j`. Returns the new streams [T, n, D]."""

@@ -33,9 +33,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState], token_ids: torch.Tensor
     ) -> torch.Tensor:
-        x, post, comb = self.attn_hc.pre_normed(streams, self.input_layernorm.weight)
-        a = self.self_attn(x, batch, states)
+        norm = self.backend.rms_norm
+        x, post, comb = self.attn_hc.pre(streams)
+        a = self.self_attn(norm(x, self.input_layernorm.weight, self.eps), batch, states)
         streams = self.attn_hc.post(streams, a, post, comb)
-        x, post, comb = self.ffn_hc.pre_normed(streams, self.post_attention_layernorm.weight)
-        f = self.mlp(x, token_ids)
+        x, post, comb = self.ffn_hc.pre(streams)
+        f = self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps), token_ids)
         return self.ffn_hc.post(streams, f, post, comb)

@@ -25,12 +25,6 @@ class HyperConnection(nn.Module):
         c = self.cfg
         return self.backend.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def pre_normed(self, streams: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`pre` with the block's input RMSNorm (weight `norm_weight`) applied to the collapsed streams."""
-        c = self.cfg
-        return self.backend.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                        c.rms_norm_eps, norm_weight, c.rms_norm_eps)
-
     def post(self, streams, block_out, post, comb) -> torch.Tensor:
         return self.backend.hc_post(streams, block_out, post, comb)
 

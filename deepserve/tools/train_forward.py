@@ -125,11 +125,12 @@ def _indexer_kl(mass: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) 
 
 def decoder_layer(layer: DecoderLayer, streams: torch.Tensor, token_ids: torch.Tensor, p: Pass) -> torch.Tensor:
     """`DecoderLayer.forward` with the batched attention."""
-    x, post, comb = layer.attn_hc.pre_normed(streams, layer.input_layernorm.weight)
-    a = attention(layer.self_attn, x, p)
+    norm, eps = layer.backend.rms_norm, layer.eps
+    x, post, comb = layer.attn_hc.pre(streams)
+    a = attention(layer.self_attn, norm(x, layer.input_layernorm.weight, eps), p)
     streams = layer.attn_hc.post(streams, a, post, comb)
-    x, post, comb = layer.ffn_hc.pre_normed(streams, layer.post_attention_layernorm.weight)
-    f = layer.mlp(x, token_ids)
+    x, post, comb = layer.ffn_hc.pre(streams)
+    f = layer.mlp(norm(x, layer.post_attention_layernorm.weight, eps), token_ids)
     return layer.ffn_hc.post(streams, f, post, comb)
 
 

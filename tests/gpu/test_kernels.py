@@ -189,43 +189,6 @@ def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, fl
     return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb), rel_err(new, rnew)
 
 
-def check_hc_pre_norm(device, T, n, D, fused, iters=20, seed=0, dtype=torch.bfloat16) -> tuple[float, float, float]:
-    """hc_pre with the input RMSNorm (`norm_weight`), in one launch when `fused` (arrival counters given, called
-    twice on them), against the reference's hc_pre then rms_norm: relative errors of (normed, post, comb)."""
-    from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
-
-    g = gen(device, seed)
-    streams = randn((T, n, D), g, device, dtype)
-    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
-    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
-    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
-    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=device)
-    counters = torch.zeros(8, dtype=torch.int32, device=device) if fused else None
-    for _ in range(2 if fused else 1):
-        x, post, comb = hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, out=poisoned((T, D), dtype, device),
-                               counters=counters, norm_weight=weight, eps=1e-5)
-        assert counters is None or not counters.any()
-    ref_b = ReferenceBackend(device)
-    rx, rpost, rcomb = ref_b.hc_pre_norm(streams.float(), fn, base, scale, iters, 1e-6, 1e-6, weight, 1e-5)
-    return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb)
-
-
-def check_window_write(device, T, W, D, slots, seed=0) -> None:
-    """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
-    from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
-
-    g = gen(device, seed)
-    storage = randn((slots * W + 7, D), g, device)
-    kv = randn((T, D), g, device)
-    slot = torch.randperm(slots, generator=g, device=device)[:T]
-    positions = torch.randint(0, 10 * W, (T,), generator=g, device=device)
-    meta = torch.stack((positions, slot), dim=1)  # columns of one tensor, as a static step passes them
-    expect = storage.clone()
-    expect[slot * W + positions % W] = kv
-    paged_window_write(storage, kv, meta[:, 0], meta[:, 1], W)
-    assert torch.equal(storage, expect)
-
-
 def check_rms_norm(device, shape, weighted, dtype=torch.bfloat16, seed=0) -> float:
     from deepserve.backends.nvidia.triton_ops.elementwise import rms_norm
 
@@ -383,13 +346,6 @@ def test_paged_window_write(T):
     check_window_write(CUDA, T, W=128, D=512, slots=100, seed=T)
 
 
-@pytest.mark.parametrize("T,fused", [(1, True), (4, True), (5, True), (1, False), (300, False)])
-def test_hc_pre_norm(T, fused):
-    errs = check_hc_pre_norm(CUDA, T, n=4, D=4096, fused=fused, seed=T)
-    print(f"hc_pre + norm T={T} fused={fused}: rel errs {errs}")
-    assert max(errs) < BF16_TOL
-
-
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_moe_small(T):
     err = check_moe_small(CUDA, T, D=4096, I=2048, E=32, top_k=6, seed=T)
@@ -402,7 +358,7 @@ def test_moe_sorted_layout_and_combine():
     assert check_moe_deep_gemm(CUDA, 300, D=256, I=128, E=8, top_k=3) < BF16_TOL
 
 
-@pytest.mark.parametrize("T", [700, 8192])
+@pytest.mark.parametrize("T", [700, 4096])
 def test_moe_deep_gemm(T):
     """DeepGEMM's grouped GEMMs in the routed experts, where it is installed and loads."""
     from deepserve.backends.nvidia import NvidiaBackend

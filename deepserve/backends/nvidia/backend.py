@@ -16,9 +16,9 @@ from . import vendor
 
 logger = logging.getLogger(__name__)
 
-#: (token, expert) pairs from which a step's routed experts go to DeepGEMM when it is loaded (a 1K prefill has
-#: 6K; decode graphs stay below it up to batch 682 at top-6)
-DEEP_GEMM_MIN_PAIRS = 4096
+#: (token, expert) pairs from which a step's routed experts go to DeepGEMM when it is loaded: bench/gpu.py run 30
+#: (H200) timed a 1K prefill (6K pairs at top-6) 11% slower with it and an 8K one 8% faster, so from ~2.7K tokens
+DEEP_GEMM_MIN_PAIRS = 16384
 
 
 def triton_available() -> bool:
@@ -190,12 +190,6 @@ class NvidiaBackend(ReferenceBackend):
         if not self._hc_fast(streams):
             return super().hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
         return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
-
-    def hc_pre_norm(self, streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps):
-        if not self._hc_fast(streams):
-            return super().hc_pre_norm(streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps)
-        return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, counters=self._arrivals,
-                                       norm_weight=weight, eps=eps)
 
     def hc_post(self, streams, block_out, post, comb):
         if not self._hc_fast(streams):

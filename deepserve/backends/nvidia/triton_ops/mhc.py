@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from .common import SMS
-from .elementwise import rms_norm
 
 
 @triton.jit
@@ -47,37 +46,6 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_
     tl.store(part_ptr + (ks * T + t)[:, None] * BLOCK_O + o[None, :], acc, mask=(t < T)[:, None])
 
 
-@triton.jit
-def _hc_mix_pre_kernel(
-    streams_ptr, fn_ptr, part_ptr, count_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_w_ptr,
-    T, K, D, NOUT, iters, hc_eps, norm_eps, eps, chunk, stride_st, stride_sn, stride_fn, stride_split, stride_xt,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_D: tl.constexpr, PARTS: tl.constexpr, HAS_NORM: tl.constexpr,
-):
-    """For a few tokens (all in one BLOCK_T): `_hc_mix_kernel`'s part per program, then the last of the PARTS
-    programs to finish (a counter, which it resets) does `_hc_pre_kernel`'s work for every token over all
-    columns, and with HAS_NORM the block's input RMSNorm of each collapsed row (weight `norm_w`, `eps`) in place.
-    One launch where a decode step had three (mix, collapse, norm), each a few microseconds of latency."""
-    _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, K, NOUT, stride_st, stride_fn, stride_split, chunk, BLOCK_T,
-                   BLOCK_O, BLOCK_K, SPLIT)
-    tl.debug_barrier()  # every thread's part is stored before the counter says so
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == PARTS - 1:
-        for t in range(T):
-            squares = _hc_pre_token(t, 0, D, part_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-                                    D, iters, hc_eps, norm_eps, T * BLOCK_O, BLOCK_O, stride_st, stride_sn,
-                                    stride_xt, N, BLOCK_D, PARTS, BLOCK_O, NOUT, True, ".cg")
-            if HAS_NORM:
-                tl.debug_barrier()  # the row's stores land before it is read back
-                r = tl.rsqrt(squares / D + eps)
-                for d0 in range(0, D, BLOCK_D):
-                    d = d0 + tl.arange(0, BLOCK_D)
-                    v = tl.load(x_ptr + t * stride_xt + d, mask=d < D, other=0.0, cache_modifier=".cg")
-                    w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-                    tl.store(x_ptr + t * stride_xt + d, (v.to(tl.float32) * r * w).to(x_ptr.dtype.element_ty),
-                             mask=d < D)
-        tl.atomic_xchg(count_ptr, 0)  # ready for the next call
-
-
 _SPLITS: dict[int, tuple] = {}  # id(fn) -> (weak reference, data pointer, version, split)
 
 
@@ -99,16 +67,19 @@ def split_bf16(fn: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _hc_pre_token(
-    t, d_first, chunk, mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-    D, iters, hc_eps, norm_eps, stride_part, stride_mt, stride_st, stride_sn, stride_xt,
+def _hc_pre_kernel(
+    mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
+    D, iters, hc_eps, norm_eps, chunk,
+    stride_part, stride_mt, stride_st, stride_sn, stride_xt,
     N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
-    MIX_SQUARES: tl.constexpr, CACHE: tl.constexpr,
+    MIX_SQUARES: tl.constexpr,
 ):
-    """Token t's mix -> pre, post, comb (a few hundred flops), then the collapse of columns [d_first, d_first +
-    chunk); post and comb are stored by the caller that collapses column 0. Returns the sum of squares of the
-    collapsed values as stored (rounded to x's dtype). MIX_SQUARES: the mix's column NOUT holds the token's sum of
-    squares (`_hc_mix_kernel`), else it is summed here first. CACHE: the mix's load cache modifier."""
+    """One token's mix -> pre, post, comb (each program of the token forms them: a few hundred flops), then the
+    collapse of its `chunk` of the D columns; the first program of each token stores post and comb.
+    MIX_SQUARES: the mix's column NOUT holds the token's sum of squares (`_hc_mix_kernel`), else it is summed
+    here first."""
+    t = tl.program_id(0)
+    d_first = tl.program_id(1) * chunk
     j = tl.arange(0, N)
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, N)[None, :]
@@ -116,7 +87,7 @@ def _hc_pre_token(
     parts = tl.arange(0, PARTS)
     # the mix: its partial sums added up (one part when cuBLAS made it)
     mix = tl.sum(tl.load(mix_ptr + parts[:, None] * stride_part + t * stride_mt + o[None, :],
-                         mask=(o < NOUT + MIX_SQUARES)[None, :], other=0.0, cache_modifier=CACHE), axis=0)
+                         mask=(o < NOUT + MIX_SQUARES)[None, :], other=0.0), axis=0)  # [BLOCK_O]
     # the RMS norm of the flattened streams, a per-token scalar applied to the (unnormed) mix
     if MIX_SQUARES:
         total = tl.sum(tl.where(o == NOUT, mix, 0.0), axis=0)
@@ -148,28 +119,11 @@ def _hc_pre_token(
     if d_first == 0:
         tl.store(post_ptr + t * N + j, post)
         tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
-    stored = tl.zeros((BLOCK_D,), tl.float32)
     for d0 in range(d_first, d_first + chunk, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
-        out = tl.sum(xs.to(tl.float32) * pre[:, None], axis=0).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + t * stride_xt + d, out, mask=d < D)
-        stored += tl.where(d < D, out.to(tl.float32) * out.to(tl.float32), 0.0)
-    return tl.sum(stored, axis=0)
-
-
-@triton.jit
-def _hc_pre_kernel(
-    mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-    D, iters, hc_eps, norm_eps, chunk,
-    stride_part, stride_mt, stride_st, stride_sn, stride_xt,
-    N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
-    MIX_SQUARES: tl.constexpr,
-):
-    """`_hc_pre_token` for token program_id(0), columns [program_id(1) * chunk, + chunk)."""
-    _hc_pre_token(tl.program_id(0), tl.program_id(1) * chunk, chunk, mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr,
-                  post_ptr, comb_ptr, D, iters, hc_eps, norm_eps, stride_part, stride_mt, stride_st, stride_sn,
-                  stride_xt, N, BLOCK_D, PARTS, BLOCK_O, NOUT, MIX_SQUARES, "")
+        out = tl.sum(xs.to(tl.float32) * pre[:, None], axis=0)
+        tl.store(x_ptr + t * stride_xt + d, out.to(x_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -193,12 +147,7 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-#: the most tokens `hc_pre` collapses in the mix's last program (`_hc_mix_pre_kernel`) when given counters
-FUSED_TOKENS = 4
-
-
-def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None, counters=None,
-           norm_weight=None, eps=0.0):
+def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
     (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
@@ -208,10 +157,6 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles`
     (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
     num_warps (of the collapse).
-
-    `norm_weight`: the collapsed rows are returned RMS-normed with it (`eps`). `counters` (int32 on the device,
-    zero, one stream's; a call leaves them zero): up to FUSED_TOKENS tokens then take one launch, the mix's last
-    program doing the rest (`_hc_mix_pre_kernel`).
     """
     tiles = tiles or {}
     T, n, D = streams.shape
@@ -239,15 +184,6 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         chunk = triton.cdiv(triton.cdiv(K, parts), block_k) * block_k
         mix = torch.empty((parts, T, block_o), dtype=torch.float32, device=streams.device)
         w = split_bf16(weight) if split else fn
-        if counters is not None and T <= FUSED_TOKENS:
-            _hc_mix_pre_kernel[(1, parts)](
-                streams, w, mix, counters, base.float().contiguous(), scale.float().contiguous(), x, post, comb,
-                norm_weight if norm_weight is not None else x, T, K, D, nout, int(iters), float(hc_eps),
-                float(norm_eps), float(eps), chunk, streams.stride(0), streams.stride(1), w.stride(-2), w.stride(0),
-                x.stride(0), N=n, BLOCK_T=block_t, BLOCK_O=block_o, BLOCK_K=block_k, SPLIT=split,
-                BLOCK_D=min(1024, triton.next_power_of_2(D)), PARTS=parts, HAS_NORM=norm_weight is not None,
-                num_warps=4)
-            return x, post, comb
         _hc_mix_kernel[(t_blocks, parts)](streams, w, mix, T, K, nout, K, w.stride(-2), w.stride(0), chunk,
                                           BLOCK_T=block_t, BLOCK_O=block_o, BLOCK_K=block_k, SPLIT=split,
                                           num_warps=4)
@@ -270,8 +206,6 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         N=n, BLOCK_D=block_d, PARTS=parts, BLOCK_O=block_o, NOUT=nout, MIX_SQUARES=stride_part != 0,
         num_warps=tiles.get("num_warps", 4),
     )
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
     return x, post, comb
 
 
