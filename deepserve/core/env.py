@@ -49,6 +49,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "such as `{\"method\": \"mtp\", \"num_speculative_tokens\": 5}` (methods: `mtp`, `dspark`).",
         ),
         EnvVar(
+            "DEEPSERVE_VENDOR_KERNELS",
+            None,
+            "`0` keeps the NVIDIA backend off vendor kernels (DeepGEMM from `sgl-deep-gemm`) even where they are "
+            "installed and load; its Triton kernels then run every op.",
+        ),
+        EnvVar(
             "DEEPSERVE_PLUGINS",
             None,
             "Allowlist of third-party plugins: comma-separated distribution or entry-point names. Unset loads "

@@ -189,6 +189,22 @@ def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, fl
     return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb), rel_err(new, rnew)
 
 
+def check_window_write(device, T, W, D, slots, seed=0) -> None:
+    """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
+    from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
+
+    g = gen(device, seed)
+    storage = randn((slots * W + 7, D), g, device)
+    kv = randn((T, D), g, device)
+    slot = torch.randperm(slots, generator=g, device=device)[:T]
+    positions = torch.randint(0, 10 * W, (T,), generator=g, device=device)
+    meta = torch.stack((positions, slot), dim=1)  # columns of one tensor, as a static step passes them
+    expect = storage.clone()
+    expect[slot * W + positions % W] = kv
+    paged_window_write(storage, kv, meta[:, 0], meta[:, 1], W)
+    assert torch.equal(storage, expect)
+
+
 def check_rms_norm(device, shape, weighted, dtype=torch.bfloat16, seed=0) -> float:
     from deepserve.backends.nvidia.triton_ops.elementwise import rms_norm
 

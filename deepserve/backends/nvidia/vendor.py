@@ -15,9 +15,10 @@ on torch 2.11 + CUDA 13, sgl-deep-gemm 0.1.5 loads and runs; 0.2.0 changed this 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from deepserve.core.env import env_value
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 def load_deep_gemm(device_index: int):
     """The `deep_gemm` module when it imports and has the bf16 grouped GEMM deepserve calls, and the device is a
     Hopper GPU; else None (a missing package is logged at debug level: most installs do not have it)."""
-    if os.environ.get("DEEPSERVE_VENDOR_KERNELS", "1") == "0":
+    if env_value("DEEPSERVE_VENDOR_KERNELS") == "0":
         return None
     try:
         import deep_gemm
