@@ -1,13 +1,15 @@
 """Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,moe_small,mhc,rope,gemv,copies,syncs]  (default: all but syncs)
+    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,moe_small,mhc,rope,gemv,copies,syncs]
+    (default: all but moe_small and syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
    + top-512 compressed keys), an HCA layer (window + 64 rows) and a window-only layer; decode steps of 1 and 64
    queries with 640 keys each. Every tile choice (heads per program, keys per block, warps, stages) is checked
    against the default choice's output, then timed with CUDA events (median of 10; the default's of 20).
 2. `moe_experts` (the two grouped GEMMs) at 8,192, 64 and 1 tokens (top-6 of 32 experts, hidden 4096,
-   intermediate 2048) for fixed tiles against the autotuned pick.
+   intermediate 2048) for fixed tiles against the autotuned pick; `--only moe_small`: one token's routed and
+   shared experts (`moe_small`) in CUDA graphs, its gate/up and down tiles.
 3. `hc_pre` (mHC mix and collapse) with the mix on FMA units against the bf16 split on tensor cores.
 4. `apply_rope` in place at an 8K prefill's and a decode step's shapes: tokens and rows per program, warps.
 5. The decode step's projections at 1 and 4 rows: cuBLAS against `gemv`'s tiles.

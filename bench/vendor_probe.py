@@ -4,7 +4,8 @@
 
 Prints what the machine has for them (nvcc, CUDA_HOME, the CUDA runtime libraries), then for each
 `sgl_deep_gemm` wheel in --wheels (default .whl/vendor; their dependencies in its deps/), in a process of its
-own, tries `import deep_gemm`, and on failure the dynamic loader's own message. When it imports: its bf16 grouped GEMM over expert-sorted rows
+own, tries `import deep_gemm`, and on failure the dynamic loader's own message. When it imports: its bf16 grouped
+GEMM over expert-sorted rows
 (`m_grouped_bf16_gemm_nt_contiguous`) at an 8K prefill's expert shapes, checked against torch per expert and
 timed against deepserve's Triton MoE gate/up kernel on the same rows. Every step reports its error instead of
 stopping the script. Writes vendor_probe.json into --out ($OUT when set).
@@ -49,10 +50,10 @@ def events(fn, repeats=20, warmup=3) -> float:
 
 
 def environment() -> dict:
-    libs = sorted({Path(p).name for pat in ("/usr/local/cuda*/lib64/libcudart.so*", "/usr/lib/x86_64-linux-gnu/libcuda*",
-                                            "/usr/local/lib/python3*/dist-packages/nvidia/*/lib/*.so*",
-                                            "/usr/local/lib/python3*/site-packages/nvidia/*/lib/*.so*")
-                   for p in glob.glob(pat)})
+    patterns = ("/usr/local/cuda*/lib64/libcudart.so*", "/usr/lib/x86_64-linux-gnu/libcuda*",
+                "/usr/local/lib/python3*/dist-packages/nvidia/*/lib/*.so*",
+                "/usr/local/lib/python3*/site-packages/nvidia/*/lib/*.so*")
+    libs = sorted({Path(p).name for pat in patterns for p in glob.glob(pat)})
     return {"nvcc": shutil.which("nvcc"), "nvcc_version": sh("nvcc --version | tail -2"),
             "CUDA_HOME": os.environ.get("CUDA_HOME"), "cuda_dirs": sorted(glob.glob("/usr/local/cuda*")),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "libs": libs,

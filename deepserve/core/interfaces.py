@@ -74,17 +74,19 @@ class Backend(ABC):
         caller no longer needs `x`, so the backend may rotate it in place and return it (or return a new tensor).
         """
 
+    def rms_norm_rope(
+        self, x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor
+    ) -> Tensor:
+        """`rms_norm(x, weight, eps)` then RoPE (`apply_rope`) on the result: a backend may do both in one launch.
+        Returns a new tensor."""
+        return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
+
     @abstractmethod
     def hc_pre(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """mHC input side: from the residual streams [T, n, D] compute `pre`, `post` and the Sinkhorn-projected
         `comb`, and collapse the streams with `pre`. Returns (collapsed [T, D], post [T, n], comb [T, n, n])."""
-
-    def rms_norm_rope(self, x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """`rms_norm(x, weight, eps)` then RoPE (`apply_rope`) on the result: a backend may do both in one launch.
-        Returns a new tensor."""
-        return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
 
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:

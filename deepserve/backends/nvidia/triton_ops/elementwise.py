@@ -155,7 +155,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
     if T and M:
         block_c = triton.next_power_of_2(d)
         block_m = max(1, min(triton.next_power_of_2(M), 4096 // block_c))
-        freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
+        freq = inv_freq.float().contiguous()
         _norm_rope_kernel[(T, triton.cdiv(M, block_m))](
             x3, weight if weight is not None else x3, positions, freq, out, M, d, half, float(eps),
             positions.stride(0), x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
