@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the NVIDIA backend needs checked and timed on one GPU machine, in one call (device time is scarce):
 # the GPU tests (kernels against the reference, CUDA-graph replay against eager decode, the engine on CUDA), then
-# bench/gpu.py. Wheels the machine lacks travel in .whl/ (deepseek-recipe for the tokenizer tests).
+# bench/gpu.py. Wheels the machine lacks travel in .whl/ (deepseek-recipe for the tokenizer tests; sgl-deep-gemm 0.1.5
+# with apache-tvm-ffi 0.1.11 for the DeepGEMM path: `pip download --no-deps sgl-deep-gemm==0.1.5` and the cp312 wheel).
 #
 #   bash bench/gpu_all.sh [bench/gpu.py options...]     e.g. --reuse-hf bench/results/gpu_bench_run3.json --decode-only
 #
