@@ -8,8 +8,9 @@ the step, build its input, apply the previous step's samples, detokenize, check 
 asynchronous scheduling that work overlaps the device's step, so the engine keeps a GPU busy only while it is
 shorter than the device's step (the H200 decode graph: 2.0 ms at batch 1, 4.1 ms at 64, 6.2 ms at 256;
 docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size, prompt length and
-output length so far: greedy requests streamed (a snapshot of each every step), the same with stop strings, and
-with only final outputs (`LLM.generate`).
+output length so far: greedy requests streamed (a snapshot of each every step), the same with snapshots holding
+views of the output (`views=True`, as the server streams), with stop strings, and with only final outputs
+(`LLM.generate`).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class InstantExecutor(ModelExecutor):
 
 
 def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prompt_len: int = 64,
-            generated: int = 0, final_only: bool = False) -> float:
+            generated: int = 0, final_only: bool = False, views: bool = False) -> float:
     """Median host milliseconds of `EngineCore.step()` with `batch` requests of `prompt_len`-token prompts
-    decoding, from `generated` tokens into their outputs on; a snapshot of every request each step (streaming)
-    or, `final_only`, outputs only at the end (`LLM.generate`)."""
+    decoding, from `generated` tokens into their outputs on; a snapshot of every request each step (streaming;
+    `views`: snapshots holding views of the output, as the server streams) or, `final_only`, outputs only at the
+    end (`LLM.generate`)."""
     max_len = prompt_len + generated + 4096  # room for the tokens early requests decode while later ones prefill
     kv = KVCacheManager(batch * -(-max_len // PAGE) + 8, PAGE, True)
     scheduler = Scheduler(kv, StepCostModel(CostModelConfig()), batch, 8192, max_len, cfg.eos_token_ids)
@@ -71,7 +73,7 @@ def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prom
     rng = random.Random(1)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, cfg.vocab_size) for _ in range(prompt_len)], params,
-                           final_only=final_only)
+                           final_only=final_only, views=views)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prompts' steps, until every request has sampled
     for _ in range(generated + 1):
@@ -103,11 +105,12 @@ def main() -> None:
         plain = measure(b, args.steps, None, tokenizer, cfg, n, gen)
         stops = measure(b, args.steps, ["<|no such text|>", "\x00END\x00"], tokenizer, cfg, n, gen)  # never met
         final = measure(b, args.steps, None, tokenizer, cfg, n, gen, final_only=True)
+        views = measure(b, args.steps, None, tokenizer, cfg, n, gen, views=True)
         res["ms_per_step"][f"{b}x{n}+{gen}"] = {"batch": b, "prompt_len": n, "generated": gen, "streaming": plain,
-                                                 "stop_strings": stops, "final_only": final}
+                                                 "stop_strings": stops, "final_only": final, "streaming_views": views}
         print(f"batch {b:4d}, prompts of {n:5d}, {gen:5d} generated: streaming {plain:7.3f} ms a step "
-              f"({1e3 * plain / b:5.1f} us a request), with stop strings {stops:7.3f}, final only {final:7.3f}",
-              flush=True)
+              f"({1e3 * plain / b:5.1f} us a request), as views {views:7.3f}, with stop strings {stops:7.3f}, "
+              f"final only {final:7.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -1,12 +1,14 @@
 """What keeps the engine's host time per step independent of prompt and output lengths: a request's tokens read
-through a view (`TokenIds`) instead of joined lists, one prompt list shared by a request's snapshots, and
-final-only reporting for callers that read only the end (`LLM.generate`)."""
+through a view (`TokenIds`) instead of joined lists, one prompt list shared by a request's snapshots, final-only
+reporting for callers that read only the end (`LLM.generate`), and snapshots holding views of the output
+(`Prefix`) for streams (the server)."""
 
 from __future__ import annotations
 
 import pytest
 
 from deepserve import LLM, SamplingParams
+from deepserve.core.outputs import Prefix
 from deepserve.core.request import Request, TokenIds
 
 
@@ -68,3 +70,51 @@ def test_snapshots_share_the_prompt_list_and_keep_their_tokens(llm):
     assert snapshots[0].prompt_token_ids == [5 + i % 300 for i in range(200)]
     lengths = [len(s.outputs[0].token_ids) for s in snapshots]
     assert lengths == sorted(lengths) and lengths[-1] == 6  # each snapshot kept the tokens it had
+
+
+# -- streamed snapshots as views (`EngineCore.add_request(views=True)`, what the server streams with) --------------
+def test_prefix_reads_like_the_copy_it_replaces():
+    items = [3, 1, 4, 1, 5, 9]
+    view, copy = Prefix(items, 4), items[:4]
+    assert len(view) == 4 and list(view) == copy and view == copy and view == tuple(copy) and repr(view) == repr(copy)
+    for i in range(-4, 4):
+        assert view[i] == copy[i]
+    for start in range(-6, 7):
+        for stop in range(-6, 7):
+            assert view[start:stop] == copy[start:stop], (start, stop)
+    assert view[::-1] == copy[::-1] and isinstance(view[1:], list)
+    for bad in (4, -5):
+        with pytest.raises(IndexError):
+            view[bad]
+    items.append(2)
+    del items[5:]  # what the engine may do: grow, or cut past what a snapshot shows
+    assert view == copy and view != items and view != Prefix(items, 3)
+    with pytest.raises(TypeError):
+        hash(view)
+    with pytest.raises(ValueError):
+        Prefix(items, 9)
+
+
+def test_view_snapshots_equal_copies_and_keep_their_content(llm):
+    """Two identical greedy requests with logprobs, one streamed as views: every step's outputs read the same,
+    earlier view snapshots still read what they did when the request has gone on, and the final output holds
+    plain lists."""
+    engine = llm.engine
+    prompt = [5 + i % 300 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    engine.add_request("copies", prompt, params)
+    engine.add_request("views", prompt, params, views=True)
+    steps = []
+    while engine.has_unfinished_requests():
+        outs = {o.request_id: o for o in engine.step()}
+        if outs:
+            steps.append((outs["copies"], outs["views"],
+                          [list(outs["views"].outputs[0].token_ids), list(outs["views"].outputs[0].logprobs)]))
+    assert len(steps) > 2
+    for copied, viewed, at_the_time in steps:
+        a, b = copied.outputs[0], viewed.outputs[0]
+        assert b.token_ids == a.token_ids == at_the_time[0] and b.logprobs == a.logprobs == at_the_time[1]
+        assert b.text == a.text and b.cumulative_logprob == a.cumulative_logprob
+        assert isinstance(b.token_ids, Prefix) != viewed.finished  # views while running, lists at the end
+    final = steps[-1][1].outputs[0]
+    assert type(final.token_ids) is list and type(final.logprobs) is list and len(final.token_ids) == 12

@@ -111,10 +111,11 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-        prompt: str | None = None, cache_salt: str | None = None,
+        prompt: str | None = None, cache_salt: str | None = None, views: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative snapshots) until it finishes. Closing or cancelling the
-        iterator aborts the request."""
+        iterator aborts the request. `views`: the snapshots' token ids and logprobs are read-only views
+        (`outputs.Prefix`: index, slice, len) instead of copies of the whole output (`EngineCore.add_request`)."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if self._dead is not None:
@@ -124,7 +125,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt)))
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt, views)))
         arrived, first_token, last = time.perf_counter(), None, None
         finished = False
         try:
@@ -192,9 +193,9 @@ class AsyncEngine:
                     self.engine.step()
                 return False
             if kind == "add":
-                request_id, ids, params, prompt, salt = payload
+                request_id, ids, params, prompt, salt, views = payload
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt)
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt, views=views)
                 except ValueError as exc:
                     self._post([(request_id, exc)])
             elif kind == "abort":

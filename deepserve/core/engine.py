@@ -145,10 +145,13 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None, final_only: bool = False) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None, final_only: bool = False,
+                    views: bool = False) -> None:
         """`final_only`: `step()` returns this request's output once, when it finishes, instead of a snapshot
         every step (a snapshot copies the output so far: at 256 requests 2,000 tokens in, most of a step's host
-        time; bench/engine_host.py). For callers that read only the end, like `LLM.generate`."""
+        time; bench/engine_host.py). For callers that read only the end, like `LLM.generate`. `views`: each
+        snapshot's token ids and logprobs are read-only `outputs.Prefix` views of the request's lists, not
+        copies; for streaming callers that index, slice and take lengths (the server)."""
         if params.stop and self.make_detokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         spec = params.structured_outputs
@@ -164,7 +167,7 @@ class EngineCore:
         self.scheduler.add_request(request)  # validates; raises before anything is recorded
         tracker = self._trackers[request_id] = RequestTracker(
             request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output),
-            final_only)
+            final_only, views)
         if spec is not None:
             tracker.grammar = GrammarState(spec, future, time.monotonic() + self.grammars.timeout)
             self._compiling[request_id] = tracker

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from deepserve.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepserve.core.outputs import CompletionOutput, PositionLogprobs, Prefix, RequestOutput
 from deepserve.core.request import Request
 from deepserve.core.stop_checker import StopStringMatch, StopStringTracker
 from deepserve.core.structured import GrammarBackend, GrammarMatcher, GrammarSpec
@@ -42,13 +42,14 @@ class RequestTracker:
     """Turns the tokens the scheduler appends into text and logprobs, and finds stop strings in that text."""
 
     __slots__ = ("request", "prompt", "prompt_ids", "seed", "detok", "stops", "num_seen", "logprobs",
-                 "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only")
+                 "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only", "views")
 
     def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker,
-                 final_only: bool = False) -> None:
-        """`final_only`: the engine reports this request only when it finishes (`EngineCore.add_request`)."""
+                 final_only: bool = False, views: bool = False) -> None:
+        """`final_only`: the engine reports this request only when it finishes; `views`: its outputs hold
+        `Prefix` views of the tokens and logprobs instead of copies (`EngineCore.add_request`)."""
         self.request, self.prompt, self.seed, self.detok, self.stops = request, prompt, seed, detok, stops
-        self.final_only = final_only
+        self.final_only, self.views = final_only, views
         self.prompt_ids = list(request.prompt_token_ids)  # every snapshot's prompt_token_ids: copied once
         self.num_seen = 0
         params = request.sampling_params
@@ -95,11 +96,18 @@ class RequestTracker:
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self.prompt_logprobs.get(p) for p in range(1, request.num_prompt_tokens)]
+        tokens, logprobs = request.output_token_ids, self.logprobs
+        if self.views and not request.is_finished:  # the engine only appends to both, cuts only past num_seen;
+            # the final output is copied (once), so what outlives the stream (hooks, stored results) holds lists
+            tokens = Prefix(tokens, self.num_seen)
+            logprobs = Prefix(logprobs, len(logprobs)) if logprobs is not None else None
+        else:
+            tokens = tokens[: self.num_seen]
+            logprobs = list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(
-            index=0, text=self.stops.text, token_ids=request.output_token_ids[: self.num_seen],  # (a copy)
+            index=0, text=self.stops.text, token_ids=tokens,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            logprobs=logprobs, finish_reason=request.finish_reason, stop_reason=request.stop_reason,
         )
         return RequestOutput(request_id=request.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_ids, prompt_logprobs=prompt_logprobs,

@@ -125,7 +125,8 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
     timer, reason = request.app[METRICS].timer(), "abort"  # unless it ends normally: the client left
     sse, sent_chars, sent_tokens, final = None, 0, 0, None
     try:
-        async with contextlib.aclosing(engine.generate(ids, params, request_id=head["id"], prompt=text)) as outs:
+        outs = engine.generate(ids, params, request_id=head["id"], prompt=text, views=True)
+        async with contextlib.aclosing(outs):
             async for out in outs:
                 completion, final = out.outputs[0], out
                 timer.tokens(len(completion.token_ids) - sent_tokens)

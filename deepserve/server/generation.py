@@ -95,7 +95,7 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
     response_type = prepared.protocol.response_type
     sse: web.StreamResponse | None = None
     accumulated = None
-    stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id)
+    stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id, views=True)
     async with contextlib.aclosing(stream):
         try:
             async for out in stream:
