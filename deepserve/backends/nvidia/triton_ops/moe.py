@@ -339,16 +339,16 @@ def _small_down_kernel(h_ptr, ids_ptr, w_ptr, shared_ptr, part_ptr, count_ptr, y
 def moe_small(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, limit: float, shared_w13: torch.Tensor, shared_w2: torch.Tensor,
               counters: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
-    """The routed experts plus the shared expert for up to SMALL_TOKENS tokens (`Backend.moe_with_shared`), in
-    two launches with no sorting: one program per (pair, column block) for gate/up, then one per (pair, column
-    block) for down, the last of a token's pairs at each column block summing them.
+    """The routed experts plus the shared expert for a few tokens (`Backend.moe_with_shared`; the backend gives
+    it SMALL_TOKENS), in two launches with no sorting: one program per (pair, column block) for gate/up, then one
+    per (pair, column block) for down, the last of a token's pairs at each column block summing them.
 
     A decode step at batch 1 otherwise spends 9 launches here (alignment, the two grouped GEMMs, the sum over
     pairs, the shared expert's gate/up, SwiGLU and down, the add), most of them a few microseconds for no bytes.
     Each pair's routing weight scales its SwiGLU output before the down projection (rounded to x's dtype there),
-    and the token's sum is accumulated in fp32 and rounded once. Every pair reads its expert's weights, so a
-    token pair that shares an expert reads it twice: past one token the grouped kernels, which read each chosen
-    expert once, move fewer bytes. `counters`: at least T * cdiv(D, down_n) int32 on x's device, zero, owned by
+    and the token's sum is accumulated in fp32 and rounded once. Every pair reads its expert's weights, so two
+    tokens that share an expert read it twice: past one token the grouped kernels, which read each chosen expert
+    once, move fewer bytes. `counters`: at least T * cdiv(D, down_n) int32 on x's device, zero, owned by
     the caller (a call leaves them zero; calls sharing them must not overlap in time, as on one stream).
     `tiles`: gate_up_n, gate_up_k, down_n, down_k, num_warps, num_stages (bench/kernel_sweep.py)."""
     T, D = x.shape
