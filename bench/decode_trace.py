@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import types
@@ -33,20 +32,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu  # noqa: E402  (the benchmark model and its helpers)
 
 from deepserve.core.interfaces import Backend  # noqa: E402
-
-
-def replay_events(graph, repeats=50) -> float:
-    for _ in range(5):
-        graph.replay()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
 
 
 def kernel_sequence(graph) -> list[dict]:
@@ -113,7 +98,7 @@ def run_batch(model, device, b: int, ctx: int, steps: int, vocab: int) -> dict:
         batch = make_batch([[t] for t in toks[0]], [ctx] * b, device)
         logits[variant] = dg.forward(batch, states).logits.float().clone()  # captures; the first step's logits
         graph = next(iter(dg._buckets.values())).graph
-        replay = replay_events(graph)
+        replay = gpu.events(graph.replay, repeats=50, warmup=5)
         step = gpu.decode_steps(model, device, states, toks[1:], ctx + 1, dg, pipelined=True)
         seq = kernel_sequence(graph)
         summary = summarize(seq)
