@@ -189,6 +189,21 @@ def check_hc(device, T, n, D, iters=20, seed=0) -> tuple[float, float, float, fl
     return rel_err(x, rx), rel_err(post, rpost), rel_err(comb, rcomb), rel_err(new, rnew)
 
 
+def check_hc_head(device, T, n, D, dtype=torch.bfloat16, seed=0) -> float:
+    """Relative error of the Triton `hc_head` (the final collapse) against the reference's, in `dtype`."""
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_head
+
+    g = gen(device, seed)
+    streams = randn((T, n, D), g, device, dtype=dtype)
+    fn = torch.randn((n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn(n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(1, generator=g, device=device)
+    out = hc_head(streams, fn, base, scale, 1e-6, 1e-6, out=poisoned((T, D), dtype, device))
+    ref = ReferenceBackend(device).hc_head(streams.float(), fn, base, scale, 1e-6, 1e-6)
+    assert out.dtype == dtype and out.shape == (T, D)
+    return rel_err(out, ref)
+
+
 def check_window_write(device, T, W, D, slots, seed=0) -> None:
     """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
     from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
@@ -419,6 +434,14 @@ def test_hc(T):
     assert post < 1e-5 and comb < 1e-5  # fp32 throughout
 
 
+@pytest.mark.parametrize("T", [1, 4, 300])  # 300: the mix over 8 parts, each token's collapse in one program
+def test_hc_head(T):
+    err = check_hc_head(CUDA, T, n=4, D=4096, seed=T)
+    print(f"hc_head T={T}: {err:.2e}")
+    assert err < BF16_TOL
+    assert check_hc_head(CUDA, T, n=4, D=4096, dtype=torch.float32, seed=T) < 1e-5  # fp32 products and sums
+
+
 @pytest.mark.parametrize("T", [1, 300])  # 300: cuBLAS's fp32 mix, whose squares hc_pre sums itself
 def test_hc_pre_fp32(T):
     from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
@@ -625,22 +648,33 @@ def test_grouped_linear_writes_groups_in_place(T):
 
 
 @pytest.mark.parametrize("M", [1, 3, 4])
-@pytest.mark.parametrize("N,K,groups", [(4160, 4096, 0), (32768, 1024, 0), (40, 200, 0), (1024, 4096, 8)])
+@pytest.mark.parametrize("N,K,groups", [(4160, 4096, 0), (32768, 1024, 0), (40, 200, 0), (1024, 4096, 8),
+                                        (1536, 4096, 0), (4096, 8192, 0)])
 def test_gemv(M, N, K, groups):
-    """`gemv` / `grouped_gemv` against fp32 products of the same bf16 operands; NaN-free and the right shape."""
+    """`gemv` / `grouped_gemv` against fp32 products of the same bf16 operands, with K split (arrival counters
+    given: the default split, and an uneven one) and whole; NaN-free, the right shape, the counters left zero,
+    and a split call repeated gives the same bits."""
     from deepserve.backends.nvidia.triton_ops.gemv import gemv, grouped_gemv
 
     g = gen(CUDA, M * N)
+    counters = torch.zeros(4096, dtype=torch.int32, device=CUDA)
     if groups:
         x, w = randn((M, groups, K), g, CUDA), randn((groups, N, K), g, CUDA, std=K**-0.5)
-        out = grouped_gemv(x, w)
         ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
     else:
         x, w = randn((M, K), g, CUDA), randn((N, K), g, CUDA, std=K**-0.5)
-        out = gemv(x, w)
         ref = x.float() @ w.float().t()
-    assert out.shape == ref.shape and not torch.isnan(out).any()
-    assert rel_err(out, ref) < BF16_TOL
+
+    def run(tiles, c):
+        return grouped_gemv(x, w, tiles, c) if groups else gemv(x, w, tiles, c)
+
+    for tiles, c in ((None, None), (None, counters), (dict(split=3, BLOCK_K=64), counters)):
+        out = run(tiles, c)
+        assert out.shape == ref.shape and not torch.isnan(out).any()
+        assert rel_err(out, ref) < BF16_TOL, tiles
+        assert not counters.any()
+        if c is not None:
+            assert torch.equal(out, run(tiles, c))
 
 
 def test_backend_takes_gemv_for_few_rows():
@@ -651,4 +685,4 @@ def test_backend_takes_gemv_for_few_rows():
     assert b._gemv(torch.randn(1, 1024, device=CUDA, dtype=torch.bfloat16), w)
     assert not b._gemv(torch.randn(5, 1024, device=CUDA, dtype=torch.bfloat16), w)  # cuBLAS from 5 rows
     assert not b._gemv(torch.randn(1, 1024, device=CUDA), w.float())  # fp32: cuBLAS
-    assert not b._gemv(torch.randn(1, 1024, device=CUDA, dtype=torch.bfloat16), w[:1024])  # narrow
+    assert not b._gemv(torch.randn(1, 1024, device=CUDA, dtype=torch.bfloat16), w[:512])  # narrow

@@ -85,7 +85,7 @@ class NvidiaBackend(ReferenceBackend):
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
         self.deep_gemm = vendor.load_deep_gemm(index) if fast else None  # `vendor.py`: None unless it loads
-        # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`):
+        # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`, `gemv`):
         # zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
         if fast and triton_available():
@@ -107,17 +107,17 @@ class NvidiaBackend(ReferenceBackend):
 
     # -- GEMMs: cuBLAS, no row padding; `gemv` for the wide projections of 1-4 rows --------------------------------
     def _gemv(self, x, weight) -> bool:
-        """Whether `gemv` takes this product: 1-4 rows, 16-bit operands of one dtype, at least 2048 columns
-        (bench/kernel_sweep.py, run 22: narrower ones cuBLAS does as fast)."""
+        """Whether `gemv` takes this product: 1-4 rows, 16-bit operands of one dtype, at least 1024 columns
+        (narrower ones have too few column blocks for the K split to fill the GPU; cuBLAS does them)."""
         return (self.kernels is not None and x.shape[0] <= self.kernels.gemv.MAX_ROWS and x.is_cuda
                 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and weight[..., 0].numel() >= 2048)
+                and weight[..., 0].numel() >= 1024)
 
     def linear(self, x, weight):
         if not self.fast:
             return super().linear(x, weight)
         if self._gemv(x, weight):
-            return self.kernels.gemv.gemv(x, weight)
+            return self.kernels.gemv.gemv(x, weight, counters=self._arrivals)
         return F.linear(x, weight)
 
     def linear_fp32(self, x, weight):
@@ -133,7 +133,7 @@ class NvidiaBackend(ReferenceBackend):
         if not self.fast:
             return super().grouped_linear(x, weight)
         if self._gemv(x, weight):
-            return self.kernels.gemv.grouped_gemv(x, weight)
+            return self.kernels.gemv.grouped_gemv(x, weight, counters=self._arrivals)
         # cuBLAS writes each group's product straight into its columns of a [T, G, r] result (a transposed view
         # as the batched output), so the caller's flatten to [T, G * r] copies nothing (was 1 ms of an 8K prefill)
         out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
@@ -199,6 +199,8 @@ class NvidiaBackend(ReferenceBackend):
     def hc_head(self, streams, fn, base, scale, hc_eps, norm_eps):
         if not self.fast:
             return super().hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+        if self._hc_fast(streams) and fn.shape[0] == streams.shape[1] and scale.numel() == 1:
+            return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
         mix = _hc_mix(streams, fn, norm_eps)
         pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
         return torch.einsum("tn,tnd->td", pre, streams.float()).to(streams.dtype)

@@ -3,9 +3,15 @@
 At one to four rows a projection is a matrix-vector product: its time is the weight's bytes over the memory
 bandwidth, and nothing else. cuBLAS picks tiles made for wider products at these shapes and (for the long-K
 ones) a split-K pass with a second reduction kernel: 2.0-3.7 TB/s on the H200 (bench/kernel_sweep.py, run 22).
-Here a program owns BLOCK_N output columns and walks the whole K, its weight tiles streamed through shared
-memory by Triton's pipelined loads (`num_stages`), the few rows padded to the 16 a tensor-core dot needs. A
-grouped projection (`grouped_linear`: x [T, G, K], w [G, N, K]) is the same with a group per grid row.
+Here a program owns BLOCK_N output columns and one chunk of the K dimension, its weight tiles streamed through
+shared memory by Triton's pipelined loads (`num_stages`), the few rows padded to the 16 a tensor-core dot needs.
+A grouped projection (`grouped_linear`: x [T, G, K], w [G, N, K]) is the same with a group per grid row.
+
+Split K: the narrow projections (a window layer's 1536 input columns are 48 blocks of 32) have too few column
+blocks to keep every multiprocessor streaming, so K is cut into `split` chunks, one program each. Each writes
+its fp32 part; the last program of a column block to finish (an arrival counter per block, as in
+`moe.moe_small`, reset by that program) adds the parts in chunk order and rounds once, so the result does not
+depend on which program finished first.
 """
 
 from __future__ import annotations
@@ -14,50 +20,77 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision
+from .common import SMS, dot_precision
 
 #: the most rows this path takes; wider steps go to cuBLAS, whose tiles then pay off
 MAX_ROWS = 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, chunk,
+                 stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    block = tl.program_id(0)
     g = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + g * stride_xg + m[:, None] * stride_xm
     w_rows = w_ptr + g.to(tl.int64) * stride_wg + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = tl.program_id(2) * chunk
+    for k0 in range(k_first, k_first + chunk, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    tl.store(out_ptr + g * stride_og + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & (n < N)[None, :])
+    out_at = out_ptr + g * stride_og + m[:, None] * stride_om + n[None, :]
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    if SPLIT == 1:
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        G = tl.num_programs(1)
+        parts = part_ptr + (g * M + m[:, None]) * N + n[None, :]  # part s of (g, m, n) at s * G * M * N
+        tl.store(parts + tl.program_id(2) * G * M * N, acc, mask=ok)
+        tl.debug_barrier()  # every thread's part is stored before the counter says so
+        counter = count_ptr + g * tl.num_programs(0) + block
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * G * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)  # ready for the next call
+            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _tiles(N: int, K: int, tiles: dict | None) -> dict:
-    """BLOCK_N, BLOCK_K, warps and stages (bench/kernel_sweep.py, run 22 on the H200: 32 columns, 256-deep K
-    tiles, two warps came within a few percent of each shape's best; q_b's 32768 x 1024 wanted 64 x 128, o_b's
-    4096 x 8192 six stages)."""
+def _tiles(N: int, K: int, G: int, tiles: dict | None) -> dict:
+    """BLOCK_N, BLOCK_K, warps, stages and the K split. Tiles from bench/kernel_sweep.py (run 22 on the H200: 32
+    columns, 256-deep K tiles, two warps came within a few percent of each shape's best; q_b's 32768 x 1024
+    wanted 64 x 128). The split: chunks of K until there are about four programs per multiprocessor, each chunk
+    at least two K tiles deep."""
     t = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 2, "num_stages": 3}
     if N >= 16384 and K <= 1024:
         t.update(BLOCK_N=64, BLOCK_K=128)
-    if K >= 8192:  # o_b's 4096 x 8192: 128 programs, each wants more of its long K in flight (run 22: 3.1 -> 3.7 TB/s)
-        t.update(num_stages=6)
-    t.update(tiles or {})
+    t.update({k: v for k, v in (tiles or {}).items() if k != "split"})
+    programs, split = triton.cdiv(N, t["BLOCK_N"]) * G, 1
+    while programs * split * 2 <= 4 * SMS and K // (split * 2) >= 2 * t["BLOCK_K"]:
+        split *= 2
+    t["split"] = (tiles or {}).get("split", split)
     return t
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
+         counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, for M <= MAX_ROWS (fp32 accumulation): one group."""
-    return grouped_gemv(x[:, None], w[None], tiles)[:, 0]
+    return grouped_gemv(x[:, None], w[None], tiles, counters)[:, 0]
 
 
-def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
-    """x [M, G, K], w [G, N, K] -> [M, G, N]: group g of every row through w[g], for M <= MAX_ROWS."""
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, G, K], w [G, N, K] -> [M, G, N]: group g of every row through w[g], for M <= MAX_ROWS.
+
+    `counters`: zeroed int32 arrival counters on x's device, at least G * cdiv(N, BLOCK_N) of them, owned by the
+    caller (a call leaves them zero; calls sharing them must not overlap in time, as on one stream). Without
+    them (or with too few) K is not split."""
     M, G, K = x.shape
     N = w.shape[1]
     out = torch.empty((M, G, N), dtype=x.dtype, device=x.device)
@@ -67,10 +100,16 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None) ->
         x = x.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
-    t = _tiles(N, K, tiles)
-    _gemv_kernel[(triton.cdiv(N, t["BLOCK_N"]), G)](
-        x, w, out, M, N, K, x.stride(1), x.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
-        BLOCK_M=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype),
+    t = _tiles(N, K, G, tiles)
+    blocks = triton.cdiv(N, t["BLOCK_N"])
+    split = t["split"] if counters is not None and counters.numel() >= G * blocks else 1
+    chunk = triton.cdiv(triton.cdiv(K, split), t["BLOCK_K"]) * t["BLOCK_K"]
+    split = triton.cdiv(K, chunk)  # (rounding the chunk up can leave fewer chunks)
+    part = torch.empty((split, G, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    _gemv_kernel[(blocks, G, split)](
+        x, w, out, part, counters if split > 1 else out, M, N, K, chunk,
+        x.stride(1), x.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
+        BLOCK_M=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), SPLIT=split,
         num_warps=t["num_warps"], num_stages=t["num_stages"],
     )
     return out

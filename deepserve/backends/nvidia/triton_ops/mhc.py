@@ -1,6 +1,7 @@
 """mHC mixing: the streams' mix through `fn` (fp32 partial sums over column chunks for a few tokens, cuBLAS for
 many), then the per-token RMS division, Sinkhorn projection and stream collapse in one launch, and the
-expand-and-mix in another (the reference spends ~80 small launches per site on the 4x4 Sinkhorn loop alone)."""
+expand-and-mix in another (the reference spends ~80 small launches per site on the 4x4 Sinkhorn loop alone).
+The model's final collapse (`hc_head`) is the first two without post, comb or Sinkhorn."""
 
 from __future__ import annotations
 
@@ -72,12 +73,12 @@ def _hc_pre_kernel(
     D, iters, hc_eps, norm_eps, chunk,
     stride_part, stride_mt, stride_st, stride_sn, stride_xt,
     N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
-    MIX_SQUARES: tl.constexpr,
+    MIX_SQUARES: tl.constexpr, HEAD: tl.constexpr,
 ):
     """One token's mix -> pre, post, comb (each program of the token forms them: a few hundred flops), then the
     collapse of its `chunk` of the D columns; the first program of each token stores post and comb.
     MIX_SQUARES: the mix's column NOUT holds the token's sum of squares (`_hc_mix_kernel`), else it is summed
-    here first."""
+    here first. HEAD: the model's final collapse (`hc_head`): the mix is pre's alone, no post, comb or Sinkhorn."""
     t = tl.program_id(0)
     d_first = tl.program_id(1) * chunk
     j = tl.arange(0, N)
@@ -101,24 +102,25 @@ def _hc_pre_kernel(
         total = tl.sum(squares, axis=0)
     r = tl.rsqrt(total / (N * D) + norm_eps)
     s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
     pre_w = tl.sum(tl.where(o[None, :] == j[:, None], mix[None, :], 0.0), axis=1)
-    post_w = tl.sum(tl.where(o[None, :] == N + j[:, None], mix[None, :], 0.0), axis=1)
-    flat = 2 * N + rows * N + cols  # [N, N]
-    comb_w = tl.sum(tl.where(o[None, None, :] == flat[:, :, None], mix[None, None, :], 0.0), axis=2)
     pre = tl.sigmoid(pre_w * r * s_pre + tl.load(base_ptr + j)) + hc_eps
-    post = 2.0 * tl.sigmoid(post_w * r * s_post + tl.load(base_ptr + N + j))
-    logits = comb_w * r * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in range(iters - 1):  # Sinkhorn: rows, then columns
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+    if not HEAD:
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        post_w = tl.sum(tl.where(o[None, :] == N + j[:, None], mix[None, :], 0.0), axis=1)
+        flat = 2 * N + rows * N + cols  # [N, N]
+        comb_w = tl.sum(tl.where(o[None, None, :] == flat[:, :, None], mix[None, None, :], 0.0), axis=2)
+        post = 2.0 * tl.sigmoid(post_w * r * s_post + tl.load(base_ptr + N + j))
+        logits = comb_w * r * s_comb + tl.load(base_ptr + 2 * N + rows * N + cols)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    if d_first == 0:
-        tl.store(post_ptr + t * N + j, post)
-        tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
+        for _ in range(iters - 1):  # Sinkhorn: rows, then columns
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        if d_first == 0:
+            tl.store(post_ptr + t * N + j, post)
+            tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
     for d0 in range(d_first, d_first + chunk, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
@@ -158,13 +160,25 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
     num_warps (of the collapse).
     """
+    return _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head=False)
+
+
+def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
+    """The model's final collapse (`Backend.hc_head`): streams [T, n, D], fn [n, n * D] fp32, base [n], scale [1]
+    -> [T, D] in the streams' dtype, weights `sigmoid(mix * scale + base) + hc_eps` of the RMS-normed mix. The
+    two launches of `hc_pre` (its mix, and its collapse without post, comb or Sinkhorn), where torch took ~15
+    (the fp32 copy, the mix, the norm's reductions, the sigmoid, the weighted sum)."""
+    return _mix_and_collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, out, None, None, head=True)[0]
+
+
+def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool):
     tiles = tiles or {}
     T, n, D = streams.shape
     streams = streams.contiguous()
     weight, fn = fn, fn.float().contiguous()
     x = torch.empty((T, D), dtype=streams.dtype, device=streams.device) if out is None else out
-    post = torch.empty((T, n), dtype=torch.float32, device=streams.device)
-    comb = torch.empty((T, n, n), dtype=torch.float32, device=streams.device)
+    post = torch.empty((0 if head else T, n), dtype=torch.float32, device=streams.device)
+    comb = torch.empty((0 if head else T, n, n), dtype=torch.float32, device=streams.device)
     if not T:
         return x, post, comb
     K, nout = n * D, fn.shape[0]
@@ -203,7 +217,7 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
         mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
         D, int(iters), float(hc_eps), float(norm_eps), chunk,
         stride_part, stride_t, streams.stride(0), streams.stride(1), x.stride(0),
-        N=n, BLOCK_D=block_d, PARTS=parts, BLOCK_O=block_o, NOUT=nout, MIX_SQUARES=stride_part != 0,
+        N=n, BLOCK_D=block_d, PARTS=parts, BLOCK_O=block_o, NOUT=nout, MIX_SQUARES=stride_part != 0, HEAD=head,
         num_warps=tiles.get("num_warps", 4),
     )
     return x, post, comb
