@@ -28,6 +28,18 @@ class BackendUnavailable(RuntimeError):
     """The requested accelerator backend cannot run here; the message says what is missing."""
 
 
+@dataclass(frozen=True, slots=True)
+class VisibleRows:
+    """A query's compressed index list given by its rule rather than its entries: the query at position p sees
+    its sequence's compressed rows 0, 1, ..., (p + 1) // ratio - 1 in that order, in `width` columns (-1 past
+    its own). What a fixed-shape decode step's compressor gives the attention when nothing is chosen among the
+    rows (HCA layers; CSA layers while the indexer's top-k holds every row), so that a backend's key-row kernel
+    can form the list itself (`Backend.decode_key_rows`) instead of reading one made by a few small launches."""
+
+    ratio: int
+    width: int
+
+
 class Backend(ABC):
     """Numerical ops of the V4 forward pass for one accelerator.
 
@@ -171,6 +183,20 @@ class Backend(ABC):
         at `slot * W + p % W`, its chunk's rows at `scratch_base + chunk_offset + p - chunk_start`, -1 before 0),
         then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
         rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""
+        return None
+
+    def decode_key_rows(
+        self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
+        compressed: Tensor | VisibleRows | None, window: int, rows_per_page: int, comp_base: int,
+    ) -> Tensor | None:
+        """Optional fused op for a step of one new token per row (a fixed-shape decode step): row t of kv [T, d]
+        into its sequence's window ring (storage row `slot[t] * window + positions[t] % window`, which held a
+        position no query of the step can see), then `paged_key_rows` for it, every window key now in the ring:
+        [T, W + K] int64, the W window keys of position p at `slot * W + q % W` for q in (p - W, p] (-1 before
+        0), then the K compressed rows (`compressed` [T, K] with -1 = none, or their rule, `VisibleRows`) at
+        `comp_base + tables[t, r // rpp] * rpp + r % rpp`. positions and slot are [T]. None (the default) when
+        the backend has no kernel: the model then writes the step's rows to the scratch region, forms the list
+        with `paged_key_rows` or torch, and writes the rings after the attention."""
         return None
 
     def paged_window_write(self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, window: int) -> bool:

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from deepserve.core.config import SLIDING, ModelConfig
-from deepserve.core.interfaces import Backend
+from deepserve.core.interfaces import Backend, VisibleRows
 
 from .batch import ForwardBatch, paged_layout, paged_step_pools, to_device
 from .common import NormWeight, linear
-from .compressor import Compressor
+from .compressor import Compressor, visible_rows
 from .state import AttentionState, LayerStateSpec
 
 
@@ -80,7 +80,15 @@ class Attention(nn.Module):
             compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
             pools = self._paged_pools(kv, batch, states)
             layout = paged_layout(batch, states) if pools is not None else None
-        if pools is not None:  # the batched zero-copy decode path
+        rows = None
+        if static is not None:  # one token a row: its key into its ring first, then every window key from there
+            rows = b.decode_key_rows(pools.storage, kv, batch.positions, layout.slot[:, 0], layout.query_tables,
+                                     compressed, self.window, pools.rows_per_page, pools.comp_base)
+        if rows is not None:
+            out = b.sparse_attention(q, pools.storage, rows, self.sinks, self.scale)
+        elif pools is not None:  # the batched zero-copy decode path
+            if isinstance(compressed, VisibleRows):
+                compressed = visible_rows(batch.positions, compressed)
             pool, indices = self._paged_key_pool(kv, batch, layout, compressed, pools)
             out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
             positions, slot, keep = batch.positions, layout.slot[:, 0], None

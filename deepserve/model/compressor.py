@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepserve.core.config import CSA, ModelConfig
-from deepserve.core.interfaces import Backend
+from deepserve.core.interfaces import Backend, VisibleRows
 
 from .batch import ForwardBatch, SeqChunk, paged_layout, paged_step_pools, to_device
 from .common import NormWeight, linear
@@ -297,10 +297,14 @@ class Indexer(_Pooler):
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)
 
 
-    def select_static(self, x, qr, positions, tables, pages) -> torch.Tensor:
+    def select_static(self, x, qr, positions, tables, pages) -> torch.Tensor | VisibleRows:
         """`select` for a fixed-shape decode step: the keys are read through the padded block tables (every
         query sees the table's full width, its own count masking the rest), so nothing depends on the row
-        counts the host keeps."""
+        counts the host keeps. While the table holds at most top-k rows (a short context: the width is the
+        bucket's), every visible row is chosen, and the rule says so (`VisibleRows`) with nothing computed."""
+        width = tables.shape[1] * pages.shape[1]
+        if width <= self.topk:  # every row the table can hold is chosen: no query, no scores
+            return VisibleRows(self.ratio, width)
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
         q = self.backend.apply_rope(q, positions, self.inv_freq, inplace=True)
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
@@ -342,23 +346,26 @@ class Compressor(_Pooler):
             layout = paged_layout(batch, states) if layer_pools is not None else None
             return self.indexer.select(x, qr, batch, [st.indexer for st in states], layout)
         # HCA: every emitted row that the query may see (the widest from the host's chunk ends: no device sync)
-        return self._visible_rows(batch.positions, max((c.end // self.ratio for c in batch.chunks), default=0))
+        return visible_rows(batch.positions,
+                            VisibleRows(self.ratio, max((c.end // self.ratio for c in batch.chunks), default=0)))
 
-    def forward_static(self, x, qr, batch: ForwardBatch, pools) -> torch.Tensor:
+    def forward_static(self, x, qr, batch: ForwardBatch, pools) -> torch.Tensor | VisibleRows:
         """`forward` for a fixed-shape decode step (`batch.static`) over the layer's pools: the same rows emitted
-        and the same rows returned per query, with shapes set by the batch's bucket alone (HCA: the table's full
-        width of rows, -1 past each query's own)."""
+        and the same rows returned per query, with shapes set by the batch's bucket alone (HCA, and CSA while
+        nothing is chosen: the rule `VisibleRows` for the table's full width of rows, -1 past each query's own)."""
         static = batch.static
         layout, positions = static.layout, batch.positions
         self.emit_static(x, positions, layout, pools.compressor, static.pad_slot, static.trash_page)
         if self.indexer is not None:
             self.indexer.emit_static(x, positions, layout, pools.indexer, static.pad_slot, static.trash_page)
             return self.indexer.select_static(x, qr, positions, layout.tables, pools.indexer.rows)
-        return self._visible_rows(positions, layout.tables.shape[1] * pools.rows_per_page)
+        return VisibleRows(self.ratio, layout.tables.shape[1] * pools.rows_per_page)
 
-    def _visible_rows(self, positions: torch.Tensor, width: int) -> torch.Tensor:
-        """[T, width]: column j holds j where the query at that position may see compressed row j, else -1."""
-        visible = (positions + 1) // self.ratio
-        offs = torch.arange(width, device=positions.device)
-        return torch.where(offs[None, :] < visible[:, None], offs[None, :], torch.full_like(offs, -1)[None, :])
+
+def visible_rows(positions: torch.Tensor, rule: VisibleRows) -> torch.Tensor:
+    """The index list `rule` stands for, [T, width]: column j holds j where the query at that position may see
+    compressed row j, else -1."""
+    visible = (positions + 1) // rule.ratio
+    offs = torch.arange(rule.width, device=positions.device)
+    return torch.where(offs[None, :] < visible[:, None], offs[None, :], torch.full_like(offs, -1)[None, :])
 

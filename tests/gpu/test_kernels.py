@@ -339,6 +339,37 @@ def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
     assert torch.equal(got, expect)
 
 
+def check_decode_key_rows(device, T, W, K, rpp, ratio=0, D=64, seed=0) -> None:
+    """`decode_key_rows` against what it replaces, exactly: the ring write (torch's scatter) and the key rows of
+    `paged_key_rows` with every window key in the ring (a chunk start past the position). `ratio` > 0: the
+    compressed rows as the rule `VisibleRows(ratio, K)`, against its explicit list."""
+    from deepserve.backends.nvidia.triton_ops.decode import decode_key_rows, paged_key_rows
+    from deepserve.core.interfaces import VisibleRows
+    from deepserve.model.compressor import visible_rows
+
+    g = gen(device, seed)
+    slots = T + 3
+    positions = torch.randint(0, 5000, (T,), generator=g, device=device)
+    positions[: min(T, 2)] = torch.tensor([0, W - 3][: min(T, 2)])
+    slot = torch.randperm(slots, generator=g, device=device)[:T]
+    meta = torch.stack((positions, slot), dim=1)  # columns of one tensor, as a static step passes them
+    tables = torch.randint(0, 100, (T, 8), generator=g, device=device)
+    storage = randn((slots * W + 5, D), g, device)
+    kv = randn((T, D), g, device)
+    if ratio:
+        rule = VisibleRows(ratio, K)
+        compressed, explicit = rule, visible_rows(positions, rule)
+    else:
+        compressed = explicit = torch.randint(-1, 8 * rpp, (T, K), generator=g, device=device) if K else None
+    expect_storage = storage.clone()
+    expect_storage[slot * W + positions % W] = kv
+    expect = paged_key_rows(positions, (positions + 1)[:, None], slot[:, None] * 0, slot[:, None], tables, explicit,
+                            W, rpp, 1000, 9000)
+    got = decode_key_rows(storage, kv, meta[:, 0], meta[:, 1], tables, compressed, W, rpp, 1000)
+    assert torch.equal(storage, expect_storage)
+    assert torch.equal(got, expect)
+
+
 # -- the tests, at V4-Flash shapes ------------------------------------------------------------------------------------
 CUDA = "cuda"
 
@@ -573,6 +604,11 @@ def test_swiglu_kernel():
     gate, up = gate_up[:, :2048], gate_up[:, 2048:]  # strided rows, as the shared expert's halves may be
     out = swiglu(gate, up, 10.0)
     assert rel_err(out, ReferenceBackend(CUDA).swiglu(gate.float(), up.float(), 10.0)) < BF16_TOL
+
+
+@pytest.mark.parametrize("K,ratio", [(0, 0), (512, 0), (256, 4), (32, 128)])
+def test_decode_key_rows(K, ratio):
+    check_decode_key_rows(CUDA, 64, 128, K, 64 if ratio != 128 else 2, ratio=ratio, D=512, seed=K)
 
 
 @pytest.mark.parametrize("K", [0, 512, 32])

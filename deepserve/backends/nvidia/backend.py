@@ -228,6 +228,13 @@ class NvidiaBackend(ReferenceBackend):
         return self.kernels.decode.paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compressed,
                                                   window, rows_per_page, comp_base, scratch_base)
 
+    def decode_key_rows(self, storage, kv, positions, slot, tables, compressed, window, rows_per_page, comp_base):
+        if (self.kernels is None or not kv.is_cuda or kv.stride(-1) != 1 or storage.stride(-1) != 1
+                or kv.dtype != storage.dtype):
+            return None
+        return self.kernels.decode.decode_key_rows(storage, kv, positions, slot, tables, compressed, window,
+                                                   rows_per_page, comp_base)
+
     def paged_window_write(self, storage, kv, positions, slot, window):
         if self.kernels is None or not kv.is_cuda or kv.stride(-1) != 1 or storage.stride(-1) != 1:
             return False

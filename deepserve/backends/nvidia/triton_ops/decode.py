@@ -11,6 +11,10 @@ the slots kept online, RMS-norms and rotates the row at its block's first positi
 `paged_key_rows`: the storage rows every decode or verify query attends to (`Attention._paged_key_pool`): its
 window keys (older positions from its slot's ring, its chunk's new rows from the scratch region, -1 before
 position 0), then its compressed rows through its block table. One launch instead of ~25.
+
+`decode_key_rows`: the same for a step of one token per row (a fixed-shape decode step), after writing each
+row's key into its window ring (so every window key is read from the ring, and nothing goes to the scratch
+region or is written after the attention), with the compressed rows either given or formed from their rule.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from deepserve.core.interfaces import VisibleRows
 
 
 @triton.jit
@@ -164,6 +170,62 @@ def paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compresse
         positions.stride(0), chunk_start.stride(0), chunk_offset.stride(0), slot.stride(0), tables.stride(0),
         comp.stride(0), out.stride(0),
         W=window, RPP=max(int(rows_per_page), 1), BLOCK_W=triton.next_power_of_2(window), BLOCK_K=128, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _decode_key_rows_kernel(
+    kv_ptr, storage_ptr, pos_ptr, slot_ptr, table_ptr, comp_ptr, out_ptr,
+    comp_base, D, K,
+    stride_kv, stride_s, stride_pos, stride_slot, stride_table, stride_comp, stride_out,
+    W: tl.constexpr, RPP: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Row t's key into its ring, then its key rows: W window rows from the ring, K compressed rows through
+    its block table. RATIO > 0: the compressed rows are the rule `VisibleRows` (row k where k < (p + 1) //
+    RATIO), else read from comp_ptr."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t * stride_pos)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    own = slot * W + pos % W
+    for d0 in range(0, D, BLOCK_D):
+        v = tl.load(kv_ptr + t * stride_kv + d0 + d, mask=d0 + d < D)
+        tl.store(storage_ptr + own * stride_s + d0 + d, v.to(storage_ptr.dtype.element_ty), mask=d0 + d < D)
+    j = tl.arange(0, BLOCK_W)
+    key = pos - (W - 1) + j
+    tl.store(out_ptr + t * stride_out + j, tl.where(key >= 0, slot * W + key % W, -1), mask=j < W)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if RATIO > 0:
+            r = tl.where(k < (pos + 1) // RATIO, k, -1)
+        else:
+            r = tl.load(comp_ptr + t * stride_comp + k, mask=k < K, other=-1)
+        seen = r >= 0
+        page = tl.load(table_ptr + t * stride_table + tl.where(seen, r, 0) // RPP, mask=seen & (k < K), other=0)
+        tl.store(out_ptr + t * stride_out + W + k, tl.where(seen, comp_base + page * RPP + r % RPP, -1), mask=k < K)
+
+
+def decode_key_rows(storage, kv, positions, slot, tables, compressed, window, rows_per_page, comp_base):
+    """The backend op `decode_key_rows` (see `Backend.decode_key_rows`): one program per row, where the unfused
+    path spends a copy to the scratch region, `paged_key_rows`, the ring write after the attention and, for a
+    `VisibleRows` list, four small launches to form it."""
+    T, D = kv.shape
+    if isinstance(compressed, VisibleRows):
+        K, ratio, comp = compressed.width, compressed.ratio, None
+    else:
+        K, ratio, comp = (compressed.shape[1] if compressed is not None else 0), 0, compressed
+    out = torch.empty((T, window + K), dtype=torch.long, device=kv.device)
+    if T == 0:
+        return out
+    comp = comp if comp is not None else out  # (unread: a rule, or no compressed rows)
+    _decode_key_rows_kernel[(T,)](
+        kv, storage, positions, slot, tables, comp, out, int(comp_base), D, K,
+        kv.stride(0), storage.stride(0), positions.stride(0), slot.stride(0), tables.stride(0), comp.stride(0),
+        out.stride(0),
+        W=window, RPP=max(int(rows_per_page), 1), RATIO=ratio, BLOCK_W=triton.next_power_of_2(window), BLOCK_K=128,
+        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4,
     )
     return out
 
