@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call's worth of checks and timings, picked by name (device time is scarce; each part writes into
+# $OUT as it goes, so a call cut short still returns what it finished):
+#
+#   bash bench/gpu_call.sh "kernels graphs sweep_gemv trace"
+#
+# kernels: the kernel tests of tests/gpu/test_kernels.py; graphs: the CUDA-graph tests; all_tests: every GPU
+# test; sweep_gemv: bench/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at batch 1 and 64; decode:
+# bench/gpu.py --decode-only; bench: the whole bench/gpu.py (transformers' rows reused from run 3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+HF=bench/results/gpu_bench_run3.json
+for part in $1; do
+    echo "== $part ($(date +%T))"
+    case $part in
+        kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -15 ;;
+        graphs) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$OUT/graphs.log" | tail -15 ;;
+        all_tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+        sweep_gemv) python3 bench/kernel_sweep.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/sweep_gemv.log" | grep -v "^  " ;;
+        trace) python3 bench/decode_trace.py --batches 1,64 --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -30 ;;
+        decode) python3 bench/gpu.py --reuse-hf $HF --decode-only --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 ;;
+        bench) python3 bench/gpu.py --reuse-hf $HF --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
+        *) echo "unknown part $part" ;;
+    esac
+done
+echo "== done ($(date +%T))"
