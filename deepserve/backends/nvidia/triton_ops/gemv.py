@@ -65,15 +65,21 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, chunk,
 def _tiles(N: int, K: int, G: int, tiles: dict | None) -> dict:
     """BLOCK_N, BLOCK_K, warps, stages and the K split. Tiles from bench/kernel_sweep.py (run 22 on the H200: 32
     columns, 256-deep K tiles, two warps came within a few percent of each shape's best; q_b's 32768 x 1024
-    wanted 64 x 128). The split: chunks of K until there are about four programs per multiprocessor, each chunk
-    at least two K tiles deep."""
+    wanted 64 x 128, o_b's 4096 x 8192 six stages). The split only where the column blocks number fewer than
+    the multiprocessors (K <= 4096): chunks of K until there are about two programs per multiprocessor, each at
+    least two K tiles deep. In the batch-1 step (bench/decode_trace.py, run 34) it took a window layer's input
+    projections from 8.1 us (cuBLAS) to 7.5 and an HCA layer's from 10.7 to 9.2; splitting o_a (256 blocks) and
+    o_b (128 blocks of K = 8192) cost them 1-3 us each."""
     t = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 2, "num_stages": 3}
     if N >= 16384 and K <= 1024:
         t.update(BLOCK_N=64, BLOCK_K=128)
+    if K >= 8192:  # o_b's 4096 x 8192: 128 programs, each wants more of its long K in flight (run 22: 3.1 -> 3.7 TB/s)
+        t.update(num_stages=6)
     t.update({k: v for k, v in (tiles or {}).items() if k != "split"})
     programs, split = triton.cdiv(N, t["BLOCK_N"]) * G, 1
-    while programs * split * 2 <= 4 * SMS and K // (split * 2) >= 2 * t["BLOCK_K"]:
-        split *= 2
+    if programs < SMS and K <= 4096:
+        while programs * split < 2 * SMS and K // (split * 2) >= 2 * t["BLOCK_K"]:
+            split *= 2
     t["split"] = (tiles or {}).get("split", split)
     return t
 
