@@ -73,7 +73,8 @@ def summarize(seq: list[dict]) -> dict:
 #: and, where the step is small enough for them, with the fused ops taken back to the Backend defaults
 VARIANTS = ("fused", "fused again", "unfused")
 #: the optional backend ops that fuse a decode step's small launches
-FUSED_OPS = ("moe_with_shared", "route_hidden", "rms_norm_rope", "paged_window_write", "decode_key_rows")
+FUSED_OPS = ("moe_with_shared", "route_hidden", "rms_norm_rope", "paged_window_write", "decode_key_rows",
+             "sparse_attention_rope")
 
 
 @torch.no_grad()

@@ -116,6 +116,14 @@ class Backend(ABC):
         q [T, H, d], kv [N, d], indices [T, K] int64, sinks [H] fp32. Returns [T, H, d] in `q.dtype`.
         """
 
+    def sparse_attention_rope(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float,
+                              positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """`sparse_attention`, then its output's rotary dims turned back by each query's position (V4 rotates
+        the attention output by the inverse RoPE before the output projection). One op, so that a backend can
+        turn the output before storing it; the default is the two ops."""
+        out = self.sparse_attention(q, kv, indices, sinks, scale)
+        return self.apply_rope(out, positions, inv_freq, inverse=True, inplace=True)
+
     @abstractmethod
     def indexer_topk(
         self, q: Tensor, weights: Tensor, keys: Tensor, key_start: Tensor, key_count: Tensor, topk: int

@@ -80,17 +80,20 @@ class Attention(nn.Module):
             compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
             pools = self._paged_pools(kv, batch, states)
             layout = paged_layout(batch, states) if pools is not None else None
+        def attend(pool, indices):  # the attention output, its rotary dims turned back (V = K carries them)
+            return b.sparse_attention_rope(q, pool, indices, self.sinks, self.scale, batch.positions, self.inv_freq)
+
         rows = None
         if static is not None:  # one token a row: its key into its ring first, then every window key from there
             rows = b.decode_key_rows(pools.storage, kv, batch.positions, layout.slot[:, 0], layout.query_tables,
                                      compressed, self.window, pools.rows_per_page, pools.comp_base)
         if rows is not None:
-            out = b.sparse_attention(q, pools.storage, rows, self.sinks, self.scale)
+            out = attend(pools.storage, rows)
         elif pools is not None:  # the batched zero-copy decode path
             if isinstance(compressed, VisibleRows):
                 compressed = visible_rows(batch.positions, compressed)
             pool, indices = self._paged_key_pool(kv, batch, layout, compressed, pools)
-            out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+            out = attend(pool, indices)
             positions, slot, keep = batch.positions, layout.slot[:, 0], None
             if static is None:  # a static step's snapshots are taken after it, from the written rings
                 self._snapshot_windows(batch, states, pools)  # (rare) before the ring write overwrites rows
@@ -101,13 +104,12 @@ class Attention(nn.Module):
                 pool.index_put_((slot * self.window + positions % self.window,), kv)  # all rings in one scatter
         else:
             pool, indices, windows = self._key_pool(kv, batch, states, compressed)
-            out = b.sparse_attention(q, pool, indices, self.sinks, self.scale)
+            out = attend(pool, indices)
             for chunk, st, (first, rows) in zip(batch.chunks, states, windows):
                 for boundary, page in chunk.snapshots:  # window tail [boundary - W, boundary) for prefix hits
                     st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
                 st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
 
-        out = b.apply_rope(out, batch.positions, self.inv_freq, inverse=True, inplace=True)
         return self.o_b_proj(self._grouped_o_a(out))
 
     def _ring_rows_kept(self, batch: ForwardBatch, device) -> torch.Tensor | None:

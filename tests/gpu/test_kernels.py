@@ -39,7 +39,9 @@ def randn(shape, g, device, dtype=torch.bfloat16, std=1.0):
 
 
 # -- checks ---------------------------------------------------------------------------------------------------------
-def check_sparse_attention(device, T, H, d, N, window, topk, seed=0, dtype=torch.bfloat16) -> float:
+def check_sparse_attention(device, T, H, d, N, window, topk, seed=0, dtype=torch.bfloat16, rope_dim=0) -> float:
+    """`sparse_mqa` against the reference's attention; `rope_dim` > 0: with the inverse RoPE of that many dims
+    fused (`sparse_attention_rope`), against the reference's attention then inverse RoPE."""
     from deepserve.backends.nvidia.triton_ops.attention import sparse_mqa
 
     g = gen(device, seed)
@@ -54,8 +56,15 @@ def check_sparse_attention(device, T, H, d, N, window, topk, seed=0, dtype=torch
         indices[0] = -1  # a query that sees nothing but its sink: its output is zero
     sinks = torch.randn(H, generator=g, device=device)
     scale = d**-0.5
-    out = sparse_mqa(q, kv, indices, sinks, scale, out=poisoned(q.shape, dtype, device))
-    ref = ReferenceBackend(device)._attend(q.float(), kv.float(), indices, sinks, scale)
+    ref_b = ReferenceBackend(device)
+    ref = ref_b._attend(q.float(), kv.float(), indices, sinks, scale)
+    rope = None
+    if rope_dim:
+        positions = torch.randint(0, 5000, (T,), generator=g, device=device)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+        rope = (positions, inv_freq)
+        ref = ref_b.apply_rope(ref, positions, inv_freq, inverse=True)
+    out = sparse_mqa(q, kv, indices, sinks, scale, out=poisoned(q.shape, dtype, device), rope=rope)
     if T > 1:
         assert not out[0].any(), "a query with no keys must output zeros"
     return rel_err(out, ref)
@@ -372,6 +381,13 @@ def check_decode_key_rows(device, T, W, K, rpp, ratio=0, D=64, seed=0) -> None:
 
 # -- the tests, at V4-Flash shapes ------------------------------------------------------------------------------------
 CUDA = "cuda"
+
+
+@pytest.mark.parametrize("T", [1, 4, 64])  # 1-4: the rotation in the merge; 64: in the attention kernel
+def test_sparse_attention_rope(T):
+    err = check_sparse_attention(CUDA, T, 64, 512, N=8192, window=128, topk=512, seed=T, rope_dim=64)
+    print(f"sparse attention + inverse RoPE T={T}: {err:.2e}")
+    assert err < BF16_TOL
 
 
 @pytest.mark.parametrize("T", [1, 5, 16, 64, 2048])  # 1-16: the index list split into parts, then merged

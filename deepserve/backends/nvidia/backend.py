@@ -85,8 +85,8 @@ class NvidiaBackend(ReferenceBackend):
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
         self.deep_gemm = vendor.load_deep_gemm(index) if fast else None  # `vendor.py`: None unless it loads
-        # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`, `gemv`):
-        # zero between launches, so one stream's kernels share them
+        # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`,
+        # `gemv`): zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
         if fast and triton_available():
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
@@ -211,6 +211,12 @@ class NvidiaBackend(ReferenceBackend):
         if self.kernels is None or not q.is_cuda or d & (d - 1):
             return super().sparse_attention(q, kv, indices, sinks, scale)
         return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale)
+
+    def sparse_attention_rope(self, q, kv, indices, sinks, scale, positions, inv_freq):
+        d = q.shape[-1]
+        if self.kernels is None or not q.is_cuda or d & (d - 1) or 2 * inv_freq.shape[0] > d:
+            return super().sparse_attention_rope(q, kv, indices, sinks, scale, positions, inv_freq)
+        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale, rope=(positions, inv_freq))
 
     def compress_decode(self, kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv,
                         prev_gate, rows, norm_weight, inv_freq, eps):

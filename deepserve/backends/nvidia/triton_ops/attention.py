@@ -17,17 +17,21 @@ import triton
 import triton.language as tl
 
 from .common import SMS, dot_precision
+from .elementwise import rotate_pairs
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _sparse_mqa_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stat_ptr,
-    K, H, scale_log2, per_split,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr,
+    K, H, scale_log2, per_split, half,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_pos,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
+    """ROPE: the output's last 2 * half dims turned back by the query's position (`rotate_pairs`) before the
+    store (here with one part, else in `_merge_kernel`)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -57,6 +61,9 @@ def _sparse_mqa_kernel(
         m = m_new
     if SPLITS == 1:
         out = acc / denom[:, None]
+        if ROPE:
+            out = rotate_pairs(out, half - D // 2, tl.load(pos_ptr + t * stride_pos).to(tl.float32), freq_ptr, half,
+                               True)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
     else:  # this part's running sum, maximum and denominator, merged by `_merge_kernel`
@@ -67,8 +74,8 @@ def _sparse_mqa_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stat_ptr, out_ptr, H, stride_ot, stride_oh,
-                  D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(part_ptr, stat_ptr, out_ptr, pos_ptr, freq_ptr, H, half, stride_ot, stride_oh, stride_pos,
+                  D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     parts = tl.arange(0, SPLITS)
@@ -82,13 +89,20 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, H, stride_ot, stride_oh,
         d = d0 + tl.arange(0, BLOCK_D)
         acc = tl.load(part_ptr + at[:, None] * D + d[None, :])
         out = tl.sum(acc * w[:, None], axis=0) / total
+        if ROPE and d0 + BLOCK_D > D - 2 * half:  # (a chunk holding rotary pairs)
+            position = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
+            out = tl.reshape(rotate_pairs(out[None, :], (d0 - D) // 2 + half, position, freq_ptr, half, True),
+                             (BLOCK_D,))
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
-               out: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, tiles: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
-    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits): bench/kernel_sweep.py."""
+    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits): bench/kernel_sweep.py.
+    `rope` (positions [T], inv_freq [half]): the output's last 2 * half dims turned back by each query's position
+    (`Backend.sparse_attention_rope`) in fp32 before the one rounding, where a separate inverse RoPE read the
+    rounded output back (a launch a layer)."""
     T, H, d = q.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -126,17 +140,24 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         while splits * 2 <= most:
             splits *= 2
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
+    positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
+    if rope is not None:
+        freq = freq.float().contiguous()
+        if 2 * freq.shape[0] > d:
+            raise ValueError(f"{freq.shape[0]} rotary pairs do not fit head_dim {d}")
+    half = freq.shape[0] if rope is not None else 0
     part = stat = out
     if splits > 1:
         part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
         stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
     _sparse_mqa_kernel[(T, triton.cdiv(H, block_h), splits)](
-        q, kv, indices, sinks.float().contiguous(), out, part, stat, K, H, scale * LOG2E, per_split,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        D=d, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        q, kv, indices, sinks.float().contiguous(), out, part, stat, positions, freq, K, H, scale * LOG2E, per_split,
+        half, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        positions.stride(0), D=d, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), SPLITS=splits,
+        ROPE=rope is not None, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
-        _merge_kernel[(T, H)](part, stat, out, H, out.stride(0), out.stride(1), D=d, SPLITS=splits,
-                              BLOCK_D=min(d, 256), num_warps=4)
+        _merge_kernel[(T, H)](part, stat, out, positions, freq, H, half, out.stride(0), out.stride(1),
+                              positions.stride(0), D=d, SPLITS=splits, BLOCK_D=min(d, 256), ROPE=rope is not None,
+                              num_warps=4)
     return out

@@ -10,6 +10,25 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
+def rotate_pairs(y, first_pair, position, freq_ptr, half, INVERSE: tl.constexpr):
+    """Interleaved RoPE on a register tile: y [R, C] fp32 holds C / 2 consecutive (even, odd) pairs of each row,
+    pair j being the row's rotary pair `first_pair + j`; pairs 0 <= p < half turn by `position * freq[p]` (back,
+    when INVERSE), the others pass. The angle as torch forms it (fp32 position times fp32 frequency), then
+    libdevice's cosf/sinf, which reduce large angles exactly as torch's CUDA cos/sin do (the approximate
+    instructions do not)."""
+    even, odd = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
+    p = first_pair + tl.arange(0, y.shape[1] // 2)
+    turn = (p >= 0) & (p < half)
+    angle = position * tl.load(freq_ptr + tl.where(turn, p, 0), mask=turn, other=0.0)
+    cos, sin = libdevice.cos(angle)[None, :], libdevice.sin(angle)[None, :]
+    if INVERSE:
+        sin = -sin
+    turn = turn[None, :]
+    even, odd = tl.where(turn, even * cos - odd * sin, even), tl.where(turn, odd * cos + even * sin, odd)
+    return tl.reshape(tl.join(even, odd), (y.shape[0], y.shape[1]))
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, C, eps, stride_x, stride_o, HAS_W: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -133,12 +152,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, eps,
     if HAS_W:
         y = y * tl.load(w_ptr + nope + i, mask=i < 2 * half, other=0.0).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    h = tl.arange(0, BLOCK_HALF)
-    angle = tl.load(pos_ptr + t * stride_pos).to(tl.float32) * tl.load(freq_ptr + h, mask=h < half, other=0.0)
-    cos = libdevice.cos(angle)[None, :]
-    sin = libdevice.sin(angle)[None, :]
-    even, odd = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_HALF, 2)))
-    y = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_M, 2 * BLOCK_HALF))
+    y = rotate_pairs(y, 0, tl.load(pos_ptr + t * stride_pos).to(tl.float32), freq_ptr, half, False)
     tl.store(dst + nope + i, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
