@@ -100,6 +100,16 @@ class Backend(ABC):
         """mHC input side: from the residual streams [T, n, D] compute `pre`, `post` and the Sinkhorn-projected
         `comb`, and collapse the streams with `pre`. Returns (collapsed [T, D], post [T, n], comb [T, n, n])."""
 
+    def hc_pre_norm(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
+        weight: Tensor, eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`hc_pre`, then the block's input RMSNorm (`rms_norm(collapsed, weight, eps)`): (normed [T, D], post,
+        comb). One op, so that a backend can norm the collapsed rows before storing them; the default is the
+        two ops."""
+        x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return self.rms_norm(x, weight, eps), post, comb
+
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """mHC output side: `X'_k = post_k * y + sum_j comb[j, k] * X_j`. Returns the new streams [T, n, D]."""

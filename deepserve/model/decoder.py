@@ -33,10 +33,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState], token_ids: torch.Tensor
     ) -> torch.Tensor:
-        norm = self.backend.rms_norm
-        x, post, comb = self.attn_hc.pre(streams)
-        a = self.self_attn(norm(x, self.input_layernorm.weight, self.eps), batch, states)
+        x, post, comb = self.attn_hc.pre_norm(streams, self.input_layernorm.weight, self.eps)
+        a = self.self_attn(x, batch, states)
         streams = self.attn_hc.post(streams, a, post, comb)
-        x, post, comb = self.ffn_hc.pre(streams)
-        f = self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps), token_ids)
+        x, post, comb = self.ffn_hc.pre_norm(streams, self.post_attention_layernorm.weight, self.eps)
+        f = self.mlp(x, token_ids)
         return self.ffn_hc.post(streams, f, post, comb)

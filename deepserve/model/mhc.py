@@ -25,6 +25,12 @@ class HyperConnection(nn.Module):
         c = self.cfg
         return self.backend.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
+    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float):
+        """`pre`, its collapsed rows then RMS-normed with `weight` (the block's input norm), in one backend op."""
+        c = self.cfg
+        return self.backend.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                        c.rms_norm_eps, weight, eps)
+
     def post(self, streams, block_out, post, comb) -> torch.Tensor:
         return self.backend.hc_post(streams, block_out, post, comb)
 

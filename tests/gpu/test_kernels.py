@@ -213,6 +213,23 @@ def check_hc_head(device, T, n, D, dtype=torch.bfloat16, seed=0) -> float:
     return rel_err(out, ref)
 
 
+def check_hc_pre_norm(device, T, n, D, dtype=torch.bfloat16, seed=0) -> float:
+    """`hc_pre` with the block's input norm fused (`hc_pre_norm`) against the reference's hc_pre then rms_norm:
+    the worst relative error of (normed, post, comb)."""
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
+
+    g = gen(device, seed)
+    streams = randn((T, n, D), g, device, dtype=dtype)
+    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
+    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=device)
+    got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out=poisoned((T, D), dtype, device), norm=(weight, 1e-5))
+    want = ReferenceBackend(device).hc_pre_norm(streams.float(), fn, base, scale, 20, 1e-6, 1e-6, weight, 1e-5)
+    assert got[0].dtype == dtype
+    return max(rel_err(a, b) for a, b in zip(got, want))
+
+
 def check_window_write(device, T, W, D, slots, seed=0) -> None:
     """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
     from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
@@ -479,6 +496,14 @@ def test_hc(T):
     print(f"hc T={T}: collapsed {x:.2e}, post {post:.2e}, comb {comb:.2e}, hc_post {new:.2e}")
     assert x < BF16_TOL and new < BF16_TOL
     assert post < 1e-5 and comb < 1e-5  # fp32 throughout
+
+
+@pytest.mark.parametrize("T", [1, 4, 300])
+def test_hc_pre_norm(T):
+    err = check_hc_pre_norm(CUDA, T, n=4, D=4096, seed=T)
+    print(f"hc_pre_norm T={T}: {err:.2e}")
+    assert err < BF16_TOL
+    assert check_hc_pre_norm(CUDA, T, n=4, D=4096, dtype=torch.float32, seed=T) < 1e-5
 
 
 @pytest.mark.parametrize("T", [1, 4, 300])  # 300: the mix over 8 parts, each token's collapse in one program

@@ -69,16 +69,18 @@ def split_bf16(fn: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _hc_pre_kernel(
-    mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr,
-    D, iters, hc_eps, norm_eps, chunk,
+    mix_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, post_ptr, comb_ptr, norm_w_ptr,
+    D, iters, hc_eps, norm_eps, chunk, rms_eps,
     stride_part, stride_mt, stride_st, stride_sn, stride_xt,
     N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
-    MIX_SQUARES: tl.constexpr, HEAD: tl.constexpr,
+    MIX_SQUARES: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
 ):
     """One token's mix -> pre, post, comb (each program of the token forms them: a few hundred flops), then the
     collapse of its `chunk` of the D columns; the first program of each token stores post and comb.
     MIX_SQUARES: the mix's column NOUT holds the token's sum of squares (`_hc_mix_kernel`), else it is summed
-    here first. HEAD: the model's final collapse (`hc_head`): the mix is pre's alone, no post, comb or Sinkhorn."""
+    here first. HEAD: the model's final collapse (`hc_head`): the mix is pre's alone, no post, comb or Sinkhorn.
+    NORM: one program holds a token's whole collapsed row (BLOCK_D >= D) and RMS-norms it with `norm_w` before
+    the store (`hc_pre_norm`), rounding it first as a separate `rms_norm` would read it."""
     t = tl.program_id(0)
     d_first = tl.program_id(1) * chunk
     j = tl.arange(0, N)
@@ -125,6 +127,10 @@ def _hc_pre_kernel(
         d = d0 + tl.arange(0, BLOCK_D)
         xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
         out = tl.sum(xs.to(tl.float32) * pre[:, None], axis=0)
+        if NORM:
+            out = out.to(x_ptr.dtype.element_ty).to(tl.float32)
+            out = out * tl.rsqrt(tl.sum(out * out, axis=0) / D + rms_eps)
+            out = out * tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         tl.store(x_ptr + t * stride_xt + d, out.to(x_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -149,7 +155,7 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None):
+def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None, norm=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
     (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
@@ -158,9 +164,11 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     streams take fp32 FMA products up to `SMALL_MIX_TOKENS` tokens, cuBLAS above. Then one to four programs per
     token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles`
     (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
-    num_warps (of the collapse).
+    num_warps (of the collapse). `norm` (weight [D], eps): the collapsed rows RMS-normed in the collapse's
+    launch (`Backend.hc_pre_norm`), each token's row in one program.
     """
-    return _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head=False)
+    return _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head=False,
+                             norm=norm)
 
 
 def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
@@ -171,7 +179,7 @@ def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
     return _mix_and_collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, out, None, None, head=True)[0]
 
 
-def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool):
+def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool, norm=None):
     tiles = tiles or {}
     T, n, D = streams.shape
     streams = streams.contiguous()
@@ -213,12 +221,16 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
     d_parts = tiles.get("d_parts", d_parts)
     chunk = triton.cdiv(triton.cdiv(D, d_parts), 256) * 256 if d_parts > 1 else D
     block_d = min(1024, chunk & -chunk) if d_parts > 1 else min(1024, triton.next_power_of_2(D))
+    warps = 4
+    if norm is not None:  # a token's row in one program's registers
+        chunk, block_d, warps = D, triton.next_power_of_2(D), 8
     _hc_pre_kernel[(T, triton.cdiv(D, chunk))](
         mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
-        D, int(iters), float(hc_eps), float(norm_eps), chunk,
+        norm[0] if norm is not None else x, D, int(iters), float(hc_eps), float(norm_eps), chunk,
+        float(norm[1]) if norm is not None else 0.0,
         stride_part, stride_t, streams.stride(0), streams.stride(1), x.stride(0),
         N=n, BLOCK_D=block_d, PARTS=parts, BLOCK_O=block_o, NOUT=nout, MIX_SQUARES=stride_part != 0, HEAD=head,
-        num_warps=tiles.get("num_warps", 4),
+        NORM=norm is not None, num_warps=tiles.get("num_warps", warps),
     )
     return x, post, comb
 
