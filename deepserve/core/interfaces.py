@@ -93,6 +93,14 @@ class Backend(ABC):
         Returns a new tensor."""
         return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
 
+    def qk_norm_rope(
+        self, q: Tensor, kv: Tensor, kv_weight: Tensor, eps: float, positions: Tensor, inv_freq: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """`rms_norm_rope` of the queries q [T, H, d] (no weight) and of the key kv [T, d] (with `kv_weight`):
+        (q, kv), new tensors. One op, so that a backend can do both in one launch; the default is the two ops."""
+        return (self.rms_norm_rope(q, None, eps, positions, inv_freq),
+                self.rms_norm_rope(kv, kv_weight, eps, positions, inv_freq))
+
     @abstractmethod
     def hc_pre(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float

@@ -68,9 +68,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]) -> torch.Tensor:
         b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
         qr = b.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
-        q = b.rms_norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), None, eps, batch.positions,
-                            self.inv_freq)
-        kv = b.rms_norm_rope(self.kv_proj(x), self.kv_norm.weight, eps, batch.positions, self.inv_freq)
+        q, kv = b.qk_norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), self.kv_proj(x),
+                               self.kv_norm.weight, eps, batch.positions, self.inv_freq)
 
         static = batch.static
         if static is not None:  # a fixed-shape decode step: everything from device tensors, no host state

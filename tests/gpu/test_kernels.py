@@ -288,6 +288,25 @@ def check_norm_rope(device, shape, rope_dim, weighted, seed=0, dtype=torch.bfloa
     return rel_err(out, ref)
 
 
+def check_qk_norm_rope(device, T, H, d, rope_dim, seed=0, dtype=torch.bfloat16) -> float:
+    """`qk_norm_rope` against the reference's rms_norm then apply_rope of each, on strided views of its inputs
+    (the query projection's rows, a column slice of the grouped input projections for the key)."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import qk_norm_rope
+
+    g = gen(device, seed)
+    q = randn((T, H, d + 8), g, device, dtype)[..., 4 : 4 + d]
+    kv = randn((T, d + 40), g, device, dtype)[:, 16 : 16 + d]
+    weight = 1.0 + 0.1 * torch.randn(d, generator=g, device=device)
+    positions = torch.randint(0, 5000, (T,), generator=g, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    got_q, got_k = qk_norm_rope(q, kv, weight, 1e-6, positions, inv_freq)
+    ref_b = ReferenceBackend(device)
+    want_q = ref_b.apply_rope(ref_b.rms_norm(q.float(), None, 1e-6), positions, inv_freq)
+    want_k = ref_b.apply_rope(ref_b.rms_norm(kv.float(), weight, 1e-6), positions, inv_freq)
+    assert got_q.shape == q.shape and got_k.shape == kv.shape
+    return max(rel_err(got_q, want_q), rel_err(got_k, want_k))
+
+
 def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, seed=0, dtype=torch.float32) -> float:
     """The fused `compress_decode` kernel against the model's torch ops (`_Pooler.emit_static` on the reference
     backend) over `steps` decode steps of B sequences at random positions (blocks closing and not, block 0 and
@@ -434,6 +453,11 @@ def test_moe_experts(T):
                                             ((2, 64, 128), True)])
 def test_rms_norm_rope(shape, weighted):
     assert check_norm_rope(CUDA, shape, 64, weighted, seed=shape[0]) < BF16_TOL
+
+
+@pytest.mark.parametrize("T", [1, 4, 300])
+def test_qk_norm_rope(T):
+    assert check_qk_norm_rope(CUDA, T, 64, 512, 64, seed=T) < BF16_TOL
 
 
 @pytest.mark.parametrize("T", [1, 64])

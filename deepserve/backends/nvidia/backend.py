@@ -156,6 +156,13 @@ class NvidiaBackend(ReferenceBackend):
             return super().rms_norm_rope(x, weight, eps, positions, inv_freq)
         return self.kernels.elementwise.rms_norm_rope(x, weight, eps, positions, inv_freq)
 
+    def qk_norm_rope(self, q, kv, kv_weight, eps, positions, inv_freq):
+        d = q.shape[-1]
+        if (self.kernels is None or not q.is_cuda or q.dim() != 3 or kv.dim() != 2 or d > 4096
+                or 2 * inv_freq.shape[0] > d or kv.shape[-1] != d):
+            return super().qk_norm_rope(q, kv, kv_weight, eps, positions, inv_freq)
+        return self.kernels.elementwise.qk_norm_rope(q, kv, kv_weight, eps, positions, inv_freq)
+
     def router_scores(self, logits):
         if not self.fast:
             return super().router_scores(logits)

@@ -129,13 +129,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, eps, stride_pos, stride_xt, stride_xm,
-                      stride_ot, stride_om, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr):
-    """`_rms_norm_kernel` then `_rope_kernel` on BLOCK_M rows of one token: the rows' normed values are rounded
-    to the output dtype before the rotation, as the two kernels round them."""
-    t = tl.program_id(0)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _norm_rope_rows(x_ptr, w_ptr, out_ptr, t, m, M, d, half, eps, position, freq_ptr, stride_xt, stride_xm,
+                    stride_ot, stride_om, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """`_rms_norm_kernel` then `_rope_kernel` on rows m (a block of them) of token t: the rows' normed values are
+    rounded to the output dtype before the rotation, as the two kernels round them."""
     nope = d - 2 * half
     src = x_ptr + t.to(tl.int64) * stride_xt + m[:, None] * stride_xm
     dst = out_ptr + t.to(tl.int64) * stride_ot + m[:, None] * stride_om
@@ -151,9 +148,37 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, eps,
     y = tl.load(src + nope + i, mask=ok, other=0.0).to(tl.float32) * r
     if HAS_W:
         y = y * tl.load(w_ptr + nope + i, mask=i < 2 * half, other=0.0).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = rotate_pairs(y, 0, tl.load(pos_ptr + t * stride_pos).to(tl.float32), freq_ptr, half, False)
+    y = rotate_pairs(y.to(out_ptr.dtype.element_ty).to(tl.float32), 0, position, freq_ptr, half, False)
     tl.store(dst + nope + i, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, M, d, half, eps, stride_pos, stride_xt, stride_xm,
+                      stride_ot, stride_om, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _norm_rope_rows(x_ptr, w_ptr, out_ptr, t, m, M, d, half, eps, tl.load(pos_ptr + t * stride_pos).to(tl.float32),
+                    freq_ptr, stride_xt, stride_xm, stride_ot, stride_om, HAS_W, BLOCK_C, BLOCK_HALF)
+
+
+@triton.jit
+def _norm_rope_pair_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, freq_ptr, q_out_ptr, k_out_ptr, M, d, half, eps, q_blocks,
+                           stride_pos, stride_qt, stride_qm, stride_kt, stride_qot, stride_qom, stride_kot,
+                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The queries' rows (no weight) in the first q_blocks programs of each token, its key row (weighted) in
+    the last one."""
+    t = tl.program_id(0)
+    block = tl.program_id(1)
+    position = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
+    if block < q_blocks:
+        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        _norm_rope_rows(q_ptr, w_ptr, q_out_ptr, t, m, M, d, half, eps, position, freq_ptr, stride_qt, stride_qm,
+                        stride_qot, stride_qom, False, BLOCK_C, BLOCK_HALF)
+    else:
+        m = tl.arange(0, 1)
+        _norm_rope_rows(k_ptr, w_ptr, k_out_ptr, t, m, 1, d, half, eps, position, freq_ptr, stride_kt, 0,
+                        stride_kot, 0, True, BLOCK_C, BLOCK_HALF)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
@@ -177,6 +202,31 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
             BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4 if block_m * block_c >= 2048 else 2,
         )
     return out.view(x.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backend op `qk_norm_rope`: `rms_norm_rope` of the queries q [T, H, d] (no weight) and of the key kv
+    [T, d] (with `kv_weight`) in one launch, where a decode step spent two a layer."""
+    T, H, d = q.shape
+    half = inv_freq.shape[0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    q_out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, d), dtype=kv.dtype, device=kv.device)
+    if T:
+        block_c = triton.next_power_of_2(d)
+        block_m = max(1, min(triton.next_power_of_2(H), 4096 // block_c))
+        q_blocks = triton.cdiv(H, block_m)
+        _norm_rope_pair_kernel[(T, q_blocks + 1)](
+            q, kv, kv_weight, positions, inv_freq.float().contiguous(), q_out, k_out, H, d, half, float(eps), q_blocks,
+            positions.stride(0), q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
+            k_out.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+            num_warps=4 if block_m * block_c >= 2048 else 2,
+        )
+    return q_out, k_out
 
 
 @triton.jit
