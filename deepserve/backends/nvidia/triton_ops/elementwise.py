@@ -171,14 +171,12 @@ def _norm_rope_pair_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, freq_ptr, q_out_ptr, k_
     t = tl.program_id(0)
     block = tl.program_id(1)
     position = tl.load(pos_ptr + t * stride_pos).to(tl.float32)
-    if block < q_blocks:
-        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        _norm_rope_rows(q_ptr, w_ptr, q_out_ptr, t, m, M, d, half, eps, position, freq_ptr, stride_qt, stride_qm,
-                        stride_qot, stride_qom, False, BLOCK_C, BLOCK_HALF)
+    if block < q_blocks:  # (the branches' row blocks differ in shape: the compiler wants them named apart)
+        _norm_rope_rows(q_ptr, w_ptr, q_out_ptr, t, block * BLOCK_M + tl.arange(0, BLOCK_M), M, d, half, eps, position,
+                        freq_ptr, stride_qt, stride_qm, stride_qot, stride_qom, False, BLOCK_C, BLOCK_HALF)
     else:
-        m = tl.arange(0, 1)
-        _norm_rope_rows(k_ptr, w_ptr, k_out_ptr, t, m, 1, d, half, eps, position, freq_ptr, stride_kt, 0,
-                        stride_kot, 0, True, BLOCK_C, BLOCK_HALF)
+        _norm_rope_rows(k_ptr, w_ptr, k_out_ptr, t, tl.arange(0, 1), 1, d, half, eps, position, freq_ptr, stride_kt,
+                        0, stride_kot, 0, True, BLOCK_C, BLOCK_HALF)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
