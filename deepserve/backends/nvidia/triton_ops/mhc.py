@@ -75,14 +75,17 @@ def _hc_pre_kernel(
     N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr, NOUT: tl.constexpr,
     MIX_SQUARES: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One token's mix -> pre, post, comb (each program of the token forms them: a few hundred flops), then the
-    collapse of its `chunk` of the D columns; the first program of each token stores post and comb.
+    """One token's mix -> pre (each program of the token forms it: a few flops), then the collapse of a `chunk`
+    of the D columns. Unless HEAD, the token's first program instead forms post and comb (the Sinkhorn loop's
+    forty dependent reductions, microseconds of latency) and stores them, and program c + 1 collapses chunk c:
+    the step waits for the longer of the two, not their sum (bench/decode_trace.py, run 38).
     MIX_SQUARES: the mix's column NOUT holds the token's sum of squares (`_hc_mix_kernel`), else it is summed
     here first. HEAD: the model's final collapse (`hc_head`): the mix is pre's alone, no post, comb or Sinkhorn.
     NORM: one program holds a token's whole collapsed row (BLOCK_D >= D) and RMS-norms it with `norm_w` before
     the store (`hc_pre_norm`), rounding it first as a separate `rms_norm` would read it."""
     t = tl.program_id(0)
-    d_first = tl.program_id(1) * chunk
+    role = tl.program_id(1)
+    d_first = (role if HEAD else role - 1) * chunk
     j = tl.arange(0, N)
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, N)[None, :]
@@ -106,7 +109,10 @@ def _hc_pre_kernel(
     s_pre = tl.load(scale_ptr)
     pre_w = tl.sum(tl.where(o[None, :] == j[:, None], mix[None, :], 0.0), axis=1)
     pre = tl.sigmoid(pre_w * r * s_pre + tl.load(base_ptr + j)) + hc_eps
-    if not HEAD:
+    if HEAD:
+        _collapse(streams_ptr, x_ptr, norm_w_ptr, pre, t, d_first, chunk, D, rms_eps, stride_st, stride_sn,
+                  stride_xt, N, BLOCK_D, NORM)
+    elif role == 0:
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
         post_w = tl.sum(tl.where(o[None, :] == N + j[:, None], mix[None, :], 0.0), axis=1)
@@ -120,9 +126,19 @@ def _hc_pre_kernel(
         for _ in range(iters - 1):  # Sinkhorn: rows, then columns
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        if d_first == 0:
-            tl.store(post_ptr + t * N + j, post)
-            tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
+        tl.store(post_ptr + t * N + j, post)
+        tl.store(comb_ptr + t * N * N + rows * N + cols, comb)
+    else:
+        _collapse(streams_ptr, x_ptr, norm_w_ptr, pre, t, d_first, chunk, D, rms_eps, stride_st, stride_sn,
+                  stride_xt, N, BLOCK_D, NORM)
+
+
+@triton.jit
+def _collapse(streams_ptr, x_ptr, norm_w_ptr, pre, t, d_first, chunk, D, rms_eps, stride_st, stride_sn, stride_xt,
+              N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """x[t, d] = sum_j pre[j] * streams[t, j, d] for d in [d_first, d_first + chunk); NORM: RMS-normed with
+    norm_w (the chunk is the whole row)."""
+    j = tl.arange(0, N)
     for d0 in range(d_first, d_first + chunk, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         xs = tl.load(streams_ptr + t * stride_st + j[:, None] * stride_sn + d[None, :], mask=d[None, :] < D, other=0.0)
@@ -224,7 +240,7 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
     warps = 4
     if norm is not None:  # a token's row in one program's registers
         chunk, block_d, warps = D, triton.next_power_of_2(D), 8
-    _hc_pre_kernel[(T, triton.cdiv(D, chunk))](
+    _hc_pre_kernel[(T, triton.cdiv(D, chunk) + (0 if head else 1))](
         mix, base.float().contiguous(), scale.float().contiguous(), streams, x, post, comb,
         norm[0] if norm is not None else x, D, int(iters), float(hc_eps), float(norm_eps), chunk,
         float(norm[1]) if norm is not None else 0.0,
