@@ -110,13 +110,21 @@ class Backend(ABC):
 
     def hc_pre_norm(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float,
+        weight: Tensor, eps: float, mix: object | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`hc_pre`, then the block's input RMSNorm (`rms_norm(collapsed, weight, eps)`): (normed [T, D], post,
         comb). One op, so that a backend can norm the collapsed rows before storing them; the default is the
-        two ops."""
+        two ops. `mix`: what this backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
         x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
         return self.rms_norm(x, weight, eps), post, comb
+
+    def hc_post_mix(
+        self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, next_fn: Tensor
+    ) -> tuple[Tensor, object | None]:
+        """`hc_post`, and a start on the next mHC site's mix (whose weights are `next_fn`) from the new streams
+        while they are at hand: (new streams, a value only this backend's `hc_pre_norm` reads as its `mix`, or
+        None). The default is `hc_post` and None."""
+        return self.hc_post(streams, block_out, post, comb), None
 
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:

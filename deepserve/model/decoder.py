@@ -33,9 +33,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState], token_ids: torch.Tensor
     ) -> torch.Tensor:
-        x, post, comb = self.attn_hc.pre_norm(streams, self.input_layernorm.weight, self.eps)
+        return self.forward_mixed(streams, batch, states, token_ids)[0]
+
+    def forward_mixed(self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState],
+                      token_ids: torch.Tensor, mix: object | None = None,
+                      following: HyperConnection | None = None) -> tuple[torch.Tensor, object | None]:
+        """`forward` in a stack: `mix` is what the layer before left for this layer's first mHC site, and the
+        return is (streams, what this layer leaves for `following`, the next layer's first site). Each site's
+        post then starts the next site's mix (`Backend.hc_post_mix`)."""
+        x, post, comb = self.attn_hc.pre_norm(streams, self.input_layernorm.weight, self.eps, mix)
         a = self.self_attn(x, batch, states)
-        streams = self.attn_hc.post(streams, a, post, comb)
-        x, post, comb = self.ffn_hc.pre_norm(streams, self.post_attention_layernorm.weight, self.eps)
+        streams, mix = self.attn_hc.post_mix(streams, a, post, comb, self.ffn_hc)
+        x, post, comb = self.ffn_hc.pre_norm(streams, self.post_attention_layernorm.weight, self.eps, mix)
         f = self.mlp(x, token_ids)
-        return self.ffn_hc.post(streams, f, post, comb)
+        if following is None:
+            return self.ffn_hc.post(streams, f, post, comb), None
+        return self.ffn_hc.post_mix(streams, f, post, comb, following)

@@ -53,8 +53,11 @@ class DeepseekV4Body(nn.Module):
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> torch.Tensor:
         e = self.embed_tokens(batch.token_ids)
         streams = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        mix = None
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, batch, [s.layers[i] for s in states], batch.token_ids)
+            following = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else None
+            streams, mix = layer.forward_mixed(streams, batch, [s.layers[i] for s in states], batch.token_ids, mix,
+                                               following)
         return streams
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,16 @@ class HyperConnection(nn.Module):
         c = self.cfg
         return self.backend.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float):
-        """`pre`, its collapsed rows then RMS-normed with `weight` (the block's input norm), in one backend op."""
+    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float, mix: object | None = None):
+        """`pre`, its collapsed rows then RMS-normed with `weight` (the block's input norm), in one backend op.
+        `mix`: what the `post_mix` that made `streams` returned for this site."""
         c = self.cfg
         return self.backend.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                        c.rms_norm_eps, weight, eps)
+                                        c.rms_norm_eps, weight, eps, mix)
+
+    def post_mix(self, streams, block_out, post, comb, following: HyperConnection):
+        """`post`, and a start on the `following` site's mix: (new streams, the `mix` for its `pre_norm`)."""
+        return self.backend.hc_post_mix(streams, block_out, post, comb, following.fn)
 
     def post(self, streams, block_out, post, comb) -> torch.Tensor:
         return self.backend.hc_post(streams, block_out, post, comb)

@@ -230,6 +230,27 @@ def check_hc_pre_norm(device, T, n, D, dtype=torch.bfloat16, seed=0) -> float:
     return max(rel_err(a, b) for a, b in zip(got, want))
 
 
+def check_hc_post_mix(device, T, n, D, seed=0) -> tuple[float, float]:
+    """`hc_post_mix` then `hc_pre` from its partial sums, against `hc_post` then `hc_pre` on its own (bf16
+    streams): (relative error of the new streams, worst of hc_pre's three outputs)."""
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_post, hc_post_mix, hc_pre
+
+    g = gen(device, seed)
+    streams = randn((T, n, D), g, device)
+    y = randn((T, D), g, device)
+    post = torch.rand((T, n), generator=g, device=device) * 2
+    comb = torch.softmax(torch.randn((T, n, n), generator=g, device=device), dim=-1)
+    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
+    new, mix = hc_post_mix(streams, y, post, comb, fn)
+    assert mix is not None and new.dtype == streams.dtype
+    want = hc_post(streams, y, post, comb)
+    got = hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, mix=mix)
+    ref = hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6)
+    return rel_err(new, want), max(rel_err(a, b) for a, b in zip(got, ref))
+
+
 def check_window_write(device, T, W, D, slots, seed=0) -> None:
     """`paged_window_write` against the torch scatter it replaces, with strided position and slot columns."""
     from deepserve.backends.nvidia.triton_ops.decode import paged_window_write
@@ -520,6 +541,13 @@ def test_hc(T):
     print(f"hc T={T}: collapsed {x:.2e}, post {post:.2e}, comb {comb:.2e}, hc_post {new:.2e}")
     assert x < BF16_TOL and new < BF16_TOL
     assert post < 1e-5 and comb < 1e-5  # fp32 throughout
+
+
+@pytest.mark.parametrize("T", [1, 4, 64])
+def test_hc_post_mix(T):
+    streams_err, pre_err = check_hc_post_mix(CUDA, T, n=4, D=4096, seed=T)
+    print(f"hc_post_mix T={T}: streams {streams_err:.2e}, hc_pre from its parts {pre_err:.2e}")
+    assert streams_err < BF16_TOL and pre_err < 1e-3  # the same bf16 streams: only the sums' order differs
 
 
 @pytest.mark.parametrize("T", [1, 4, 300])

@@ -198,10 +198,16 @@ class NvidiaBackend(ReferenceBackend):
             return super().hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
         return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
 
-    def hc_pre_norm(self, streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps):
+    def hc_pre_norm(self, streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps, mix=None):
         if not self._hc_fast(streams) or streams.shape[2] > 8192:
             return super().hc_pre_norm(streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps)
-        return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, norm=(weight, eps))
+        return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, norm=(weight, eps),
+                                       mix=mix)
+
+    def hc_post_mix(self, streams, block_out, post, comb, next_fn):
+        if not self._hc_fast(streams):
+            return super().hc_post_mix(streams, block_out, post, comb, next_fn)
+        return self.kernels.mhc.hc_post_mix(streams, block_out, post, comb, next_fn)
 
     def hc_post(self, streams, block_out, post, comb):
         if not self._hc_fast(streams):

@@ -6,6 +6,7 @@ The model's final collapse (`hc_head`) is the first two without post, comb or Si
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -171,7 +172,8 @@ def _hc_post_kernel(
              mask=d_ok[None, :])
 
 
-def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None, norm=None):
+def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=None, tiles=None, norm=None,
+           mix=None):
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
     (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
@@ -181,10 +183,12 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles`
     (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
     num_warps (of the collapse). `norm` (weight [D], eps): the collapsed rows RMS-normed in the collapse's
-    launch (`Backend.hc_pre_norm`), each token's row in one program.
+    launch (`Backend.hc_pre_norm`), each token's row in one program. `mix`: the mix's partial sums as
+    `hc_post_mix` left them (`MixParts`), when it made the streams; else (or if they are not for `fn`) the mix
+    is computed here.
     """
     return _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head=False,
-                             norm=norm)
+                             norm=norm, mix=mix)
 
 
 def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
@@ -195,7 +199,8 @@ def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
     return _mix_and_collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, out, None, None, head=True)[0]
 
 
-def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool, norm=None):
+def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool, norm=None,
+                      mix=None):
     tiles = tiles or {}
     T, n, D = streams.shape
     streams = streams.contiguous()
@@ -210,7 +215,10 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
     if split is None:  # the split at every T (bench/kernel_sweep.py, run 16: 9.6 us against 17.5 at one token)
         split = True
     split = split and streams.dtype == torch.bfloat16
-    if T <= SMALL_MIX_TOKENS or split:
+    if mix is not None and mix.fn is weight and mix.parts.shape[1:] == (T, block_o):  # `hc_post_mix` made it
+        parts, stride_part, stride_t = mix.parts.shape[0], T * block_o, block_o
+        mix = mix.parts
+    elif T <= SMALL_MIX_TOKENS or split:
         block_t, block_k = (64, 64) if split else (16, 64)
         t_blocks = triton.cdiv(T, block_t)
         # bench/kernel_sweep.py (run 21, H200): 128 chunks of two column blocks at decode sizes (one token 10 -> 7.5
@@ -266,3 +274,78 @@ def hc_post(streams, block_out, post, comb, out=None):
             N=n, BLOCK_D=block_d, num_warps=4,
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class MixParts:
+    """The next site's mix as `hc_post_mix` left it: fp32 partial sums [parts, T, BLOCK_O] over column chunks
+    (column NOUT: the chunk's sum of squares), and the `fn` they are for."""
+
+    parts: torch.Tensor
+    fn: torch.Tensor
+
+
+#: columns of each stream one `hc_post_mix` program takes: 128 programs for D = 4096, as the mix kernel's chunks
+POST_MIX_COLUMNS = 32
+
+
+@triton.jit
+def _hc_post_mix_kernel(
+    streams_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr,
+    T, D, NOUT,
+    stride_st, stride_sn, stride_yt, stride_ot, stride_on, stride_fn, stride_split,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr,
+):
+    """`_hc_post_kernel` for BLOCK_D columns of every stream of BLOCK_T tokens, then those new streams (rounded
+    as stored) through their N * BLOCK_D columns of the next site's `fn` (its three bf16 terms, as
+    `_hc_mix_kernel`) into part[column block, t]: the next site's mix without reading the streams again."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    block = tl.program_id(1)
+    d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.arange(0, N)
+    t_ok = (t < T)[:, None, None]
+    at = t.to(tl.int64)[:, None, None]
+    xs = tl.load(streams_ptr + at * stride_st + j[None, :, None] * stride_sn + d[None, None, :], mask=t_ok,
+                 other=0.0).to(tl.float32)  # [T, source j, d]
+    y = tl.load(y_ptr + t.to(tl.int64)[:, None] * stride_yt + d[None, :], mask=(t < T)[:, None], other=0.0)
+    post = tl.load(post_ptr + t[:, None] * N + j[None, :], mask=(t < T)[:, None], other=0.0)  # [T, k]
+    comb = tl.load(comb_ptr + t[:, None, None] * N * N + j[None, :, None] * N + j[None, None, :], mask=t_ok,
+                   other=0.0)  # [T, source j, destination k]
+    mixed = tl.sum(comb[:, :, :, None] * xs[:, :, None, :], axis=1)  # [T, k, d]
+    new = (post[:, :, None] * y.to(tl.float32)[:, None, :] + mixed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + at * stride_ot + j[None, :, None] * stride_on + d[None, None, :], new, mask=t_ok)
+    flat = tl.reshape(new, (BLOCK_T, N * BLOCK_D))  # column c: stream c // BLOCK_D, column d[c % BLOCK_D]
+    c = tl.arange(0, N * BLOCK_D)
+    k = (c // BLOCK_D) * D + block * BLOCK_D + c % BLOCK_D  # its column of the flattened streams
+    o = tl.arange(0, BLOCK_O)
+    w_at = fn_ptr + o[None, :] * stride_fn + k[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+    for term in tl.static_range(3):
+        acc = tl.dot(flat, tl.load(w_at + term * stride_split, mask=(o < NOUT)[None, :], other=0.0), acc)
+    f32 = flat.to(tl.float32)
+    acc += tl.where(o[None, :] == NOUT, tl.sum(f32 * f32, axis=1)[:, None], 0.0)
+    tl.store(part_ptr + (block * T + t)[:, None] * BLOCK_O + o[None, :], acc, mask=(t < T)[:, None])
+
+
+def hc_post_mix(streams, block_out, post, comb, next_fn) -> tuple[torch.Tensor, MixParts | None]:
+    """The backend op `hc_post_mix`: `hc_post`, and the next site's mix partial sums (`MixParts`, for `hc_pre`'s
+    `mix`) from the new streams in the same launch, for bf16 streams of up to `SMALL_MIX_TOKENS` tokens (a
+    decode step); else `hc_post` alone and None."""
+    T, n, D = streams.shape
+    nout = next_fn.shape[0]
+    blocks = D // POST_MIX_COLUMNS
+    if (streams.dtype != torch.bfloat16 or not 0 < T <= SMALL_MIX_TOKENS or D % POST_MIX_COLUMNS
+            or blocks & (blocks - 1) or next_fn.shape[1] != n * D or n & (n - 1)):
+        return hc_post(streams, block_out, post, comb), None
+    streams, block_out = streams.contiguous(), block_out.contiguous()
+    out = torch.empty_like(streams)
+    block_o = triton.next_power_of_2(max(nout + 1, 16))
+    parts = torch.empty((blocks, T, block_o), dtype=torch.float32, device=streams.device)
+    w = split_bf16(next_fn)
+    block_t = 16 if T <= 16 else 64
+    _hc_post_mix_kernel[(triton.cdiv(T, block_t), blocks)](
+        streams, block_out, post.float().contiguous(), comb.float().contiguous(), out, w, parts, T, D, nout,
+        streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1), w.stride(-2),
+        w.stride(0), N=n, BLOCK_T=block_t, BLOCK_D=POST_MIX_COLUMNS, BLOCK_O=block_o, num_warps=4,
+    )
+    return out, MixParts(parts, next_fn)
