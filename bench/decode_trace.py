@@ -74,7 +74,7 @@ def summarize(seq: list[dict]) -> dict:
 VARIANTS = ("fused", "fused again", "unfused")
 #: the optional backend ops that fuse a decode step's small launches
 FUSED_OPS = ("moe_with_shared", "route_hidden", "rms_norm_rope", "paged_window_write", "decode_key_rows",
-             "sparse_attention_rope", "hc_pre_norm", "qk_norm_rope", "hc_post_mix")
+             "sparse_attention_rope", "hc_pre_norm", "qk_norm_rope", "hc_post_mix", "hc_head_norm", "rms_norm_linear")
 
 
 @torch.no_grad()

@@ -134,6 +134,15 @@ class Backend(ABC):
     def hc_head(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
         """Final stream collapse (sigmoid weights, no Sinkhorn). Returns [T, D]."""
 
+    def hc_head_norm(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
+        weight: Tensor, eps: float, mix: object | None = None,
+    ) -> Tensor:
+        """`hc_head`, then the model's final RMSNorm (`rms_norm(collapsed, weight, eps)`). One op, so that a
+        backend can norm the collapsed rows before storing them; the default is the two ops. `mix`: what this
+        backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
+        return self.rms_norm(self.hc_head(streams, fn, base, scale, hc_eps, norm_eps), weight, eps)
+
     @abstractmethod
     def sparse_attention(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float) -> Tensor:
         """MQA over an index list: query t, head h attends to rows `kv[indices[t, :]]` (K = V), entries < 0
@@ -161,6 +170,11 @@ class Backend(ABC):
 
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
+
+    def rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+        """`linear(rms_norm(x, norm_weight, eps), weight)`, the normed rows not kept. One op, so that a backend
+        can norm the rows as its projection reads them; the default is the two ops."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), weight)
 
     def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
         """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with

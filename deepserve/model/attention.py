@@ -67,13 +67,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]) -> torch.Tensor:
         b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
-        qr = b.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
-        q, kv = b.qk_norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.head_dim), self.kv_proj(x),
-                               self.kv_norm.weight, eps, batch.positions, self.inv_freq)
-
         static = batch.static
+        step_pools = static.layers[self.layer_index] if static is not None else None
+        qa = self.q_a_proj(x)
+        if self.q_b_proj.shared is None and (self.compressor is None
+                                             or not self.compressor.reads_query(batch, step_pools)):
+            qr = None  # nothing else reads the normed latent: the projection norms it as it reads it
+            qb = b.rms_norm_linear(qa, self.q_a_norm.weight, eps, self.q_b_proj.weight)
+        else:
+            qr = b.rms_norm(qa, self.q_a_norm.weight, eps)
+            qb = self.q_b_proj(qr)
+        q, kv = b.qk_norm_rope(qb.view(T, self.num_heads, self.head_dim), self.kv_proj(x), self.kv_norm.weight, eps,
+                               batch.positions, self.inv_freq)
+
         if static is not None:  # a fixed-shape decode step: everything from device tensors, no host state
-            pools, layout = static.layers[self.layer_index], static.layout
+            pools, layout = step_pools, static.layout
             compressed = self.compressor.forward_static(x, qr, batch, pools) if self.compressor is not None else None
         else:
             compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None

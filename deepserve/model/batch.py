@@ -193,7 +193,8 @@ class StaticDecode:
     """A decode step whose shapes depend only on its bucket (rows, table width), not on the sequences in it, so
     that a CUDA graph can replay it (`deepserve.model.cuda_graphs`): one new token per row, the rows' slots,
     positions and padded block tables as device tensors (`layout`, one query per row), and the cache's
-    `layers` pools (`kv_cache._LayerPools`, one per main layer). Padding rows use the cache's padding slot;
+    `layers` pools (`kv_cache._LayerPools`, one per main layer). Every row is a logits row, in order (the
+    forward gathers none: `logits_indices` is all of them). Padding rows use the cache's padding slot;
     table entries past a sequence's pages, and every write a row does not want (a compressed block that did not
     close), go to `trash_page`. The host keeps the row counts (`PagedRows.num_rows`) itself."""
 

@@ -297,14 +297,17 @@ class Indexer(_Pooler):
         return torch.where(chosen >= 0, chosen - key_start[:, None], chosen)
 
 
+    def scores_static(self, tables, pages) -> bool:
+        """Whether `select_static` over these tables and pages scores the keys (and so reads its query)."""
+        return tables.shape[1] * pages.shape[1] > self.topk
+
     def select_static(self, x, qr, positions, tables, pages) -> torch.Tensor | VisibleRows:
         """`select` for a fixed-shape decode step: the keys are read through the padded block tables (every
         query sees the table's full width, its own count masking the rest), so nothing depends on the row
         counts the host keeps. While the table holds at most top-k rows (a short context: the width is the
         bucket's), every visible row is chosen, and the rule says so (`VisibleRows`) with nothing computed."""
-        width = tables.shape[1] * pages.shape[1]
-        if width <= self.topk:  # every row the table can hold is chosen: no query, no scores
-            return VisibleRows(self.ratio, width)
+        if not self.scores_static(tables, pages):  # every row the table can hold is chosen: no query, no scores
+            return VisibleRows(self.ratio, tables.shape[1] * pages.shape[1])
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
         q = self.backend.apply_rope(q, positions, self.inv_freq, inplace=True)
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
@@ -348,6 +351,16 @@ class Compressor(_Pooler):
         # HCA: every emitted row that the query may see (the widest from the host's chunk ends: no device sync)
         return visible_rows(batch.positions,
                             VisibleRows(self.ratio, max((c.end // self.ratio for c in batch.chunks), default=0)))
+
+    def reads_query(self, batch: ForwardBatch, pools=None) -> bool:
+        """Whether this step's `forward` (or, with the step's layer `pools`, `forward_static`) reads `qr`, the
+        attention's normed query latent: only a CSA layer's indexer does, and in a static step only where it
+        scores (else the attention need not keep `qr`)."""
+        if self.indexer is None:
+            return False
+        if batch.static is None:
+            return True
+        return self.indexer.scores_static(batch.static.layout.tables, pools.indexer.rows)
 
     def forward_static(self, x, qr, batch: ForwardBatch, pools) -> torch.Tensor | VisibleRows:
         """`forward` for a fixed-shape decode step (`batch.static`) over the layer's pools: the same rows emitted

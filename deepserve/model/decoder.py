@@ -11,7 +11,7 @@ from deepserve.core.interfaces import Backend
 from .attention import Attention
 from .batch import ForwardBatch
 from .common import NormWeight
-from .mhc import HyperConnection
+from .mhc import HyperConnection, HyperHead
 from .moe import MoE
 from .state import AttentionState, LayerStateSpec
 
@@ -37,10 +37,10 @@ class DecoderLayer(nn.Module):
 
     def forward_mixed(self, streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState],
                       token_ids: torch.Tensor, mix: object | None = None,
-                      following: HyperConnection | None = None) -> tuple[torch.Tensor, object | None]:
+                      following: HyperConnection | HyperHead | None = None) -> tuple[torch.Tensor, object | None]:
         """`forward` in a stack: `mix` is what the layer before left for this layer's first mHC site, and the
-        return is (streams, what this layer leaves for `following`, the next layer's first site). Each site's
-        post then starts the next site's mix (`Backend.hc_post_mix`)."""
+        return is (streams, what this layer leaves for `following`: the next layer's first site, or the final
+        head). Each site's post then starts the next site's mix (`Backend.hc_post_mix`)."""
         x, post, comb = self.attn_hc.pre_norm(streams, self.input_layernorm.weight, self.eps, mix)
         a = self.self_attn(x, batch, states)
         streams, mix = self.attn_hc.post_mix(streams, a, post, comb, self.ffn_hc)

@@ -51,17 +51,22 @@ class DeepseekV4Body(nn.Module):
         self.hc_head = HyperHead(cfg, backend)
 
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> torch.Tensor:
+        return self.forward_mixed(batch, states)[0]
+
+    def forward_mixed(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> tuple[torch.Tensor, object]:
+        """`forward`, and what the last layer left for the final head's mix (`final_hidden`'s `mix`, for these
+        streams' rows as they are)."""
         e = self.embed_tokens(batch.token_ids)
         streams = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         mix = None
         for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else None
+            following = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else self.hc_head
             streams, mix = layer.forward_mixed(streams, batch, [s.layers[i] for s in states], batch.token_ids, mix,
                                                following)
-        return streams
+        return streams, mix
 
-    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(self.hc_head(streams), self.norm.weight, self.cfg.rms_norm_eps)
+    def final_hidden(self, streams: torch.Tensor, mix: object | None = None) -> torch.Tensor:
+        return self.hc_head.norm(streams, self.norm.weight, self.cfg.rms_norm_eps, mix)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -116,8 +121,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         `batch.logits_indices`."""
         if batch.static is None:  # a static (fixed-shape decode) step gets no states: its caller keeps them
             check_states(batch, states)
-        streams = self.model(batch, states)
-        hidden = self.model.final_hidden(streams[batch.logits_indices])
+        streams, mix = self.model.forward_mixed(batch, states)
+        if batch.static is not None:  # every row of a static step is a logits row, in order: no gather
+            hidden = self.model.final_hidden(streams, mix)
+        else:
+            hidden = self.model.final_hidden(streams[batch.logits_indices])
         for chunk, state in zip(batch.chunks, states):
             state.num_tokens = chunk.end
         return ForwardOutput(streams=streams, logits=self.logits(hidden))

@@ -550,6 +550,28 @@ def test_hc_post_mix(T):
     assert streams_err < BF16_TOL and pre_err < 1e-3  # the same bf16 streams: only the sums' order differs
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_hc_head_norm_from_post_mix(T):
+    """The final head with its norm fused (`hc_head_norm`), from the mix that the last `hc_post_mix` left,
+    against the reference's hc_head then rms_norm."""
+    from deepserve.backends.nvidia.triton_ops.mhc import hc_head, hc_post_mix
+
+    g = gen(CUDA, T)
+    n, D = 4, 4096
+    streams, y = randn((T, n, D), g, CUDA), randn((T, D), g, CUDA)
+    post = torch.rand((T, n), generator=g, device=CUDA) * 2
+    comb = torch.softmax(torch.randn((T, n, n), generator=g, device=CUDA), dim=-1)
+    fn = torch.randn((n, n * D), generator=g, device=CUDA) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn(n, generator=g, device=CUDA)
+    scale = 1.0 + 0.2 * torch.randn(1, generator=g, device=CUDA)
+    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=CUDA)
+    new, mix = hc_post_mix(streams, y, post, comb, fn)
+    got = hc_head(new, fn, base, scale, 1e-6, 1e-6, out=poisoned((T, D), torch.bfloat16, CUDA), norm=(weight, 1e-5),
+                  mix=mix)
+    want = ReferenceBackend(CUDA).hc_head_norm(new.float(), fn, base, scale, 1e-6, 1e-6, weight, 1e-5)
+    assert mix is not None and rel_err(got, want) < BF16_TOL
+
+
 @pytest.mark.parametrize("T", [1, 4, 300])
 def test_hc_pre_norm(T):
     err = check_hc_pre_norm(CUDA, T, n=4, D=4096, seed=T)
@@ -804,6 +826,23 @@ def test_gemv(M, N, K, groups):
         assert not counters.any()
         if c is not None:
             assert torch.equal(out, run(tiles, c))
+
+
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("N,K", [(32768, 1024), (1536, 4096)])  # q_b, and a split K
+def test_gemv_norm(M, N, K):
+    """`gemv` with the input RMSNorm fused (`rms_norm_linear`) against `rms_norm` then `gemv`."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import rms_norm
+    from deepserve.backends.nvidia.triton_ops.gemv import gemv
+
+    g = gen(CUDA, M * N)
+    x, w = randn((M, K), g, CUDA, std=3.0), randn((N, K), g, CUDA, std=K**-0.5)
+    norm_w = 1.0 + 0.1 * torch.randn(K, generator=g, device=CUDA)
+    counters = torch.zeros(4096, dtype=torch.int32, device=CUDA)
+    got = gemv(x, w, None, counters, norm=(norm_w, 1e-6))
+    want = gemv(rms_norm(x, norm_w, 1e-6), w, None, counters)
+    ref = ReferenceBackend(CUDA).rms_norm_linear(x.float(), norm_w, 1e-6, w.float())
+    assert rel_err(got, want) < BF16_TOL and rel_err(got, ref) < BF16_TOL and not counters.any()
 
 
 def test_backend_takes_gemv_for_few_rows():

@@ -120,6 +120,11 @@ class NvidiaBackend(ReferenceBackend):
             return self.kernels.gemv.gemv(x, weight, counters=self._arrivals)
         return F.linear(x, weight)
 
+    def rms_norm_linear(self, x, norm_weight, eps, weight):
+        if not self.fast or x.dim() != 2 or not self._gemv(x, weight) or norm_weight.shape != x.shape[-1:]:
+            return super().rms_norm_linear(x, norm_weight, eps, weight)
+        return self.kernels.gemv.gemv(x, weight, counters=self._arrivals, norm=(norm_weight, eps))
+
     def linear_fp32(self, x, weight):
         """fp32 output from bf16/fp16 operands as they are: cuBLAS multiplies them with fp32 accumulation and fp32
         output (the products of the operands' values, as the fp32 reference computes them), reading the weight at
@@ -222,6 +227,12 @@ class NvidiaBackend(ReferenceBackend):
         mix = _hc_mix(streams, fn, norm_eps)
         pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
         return torch.einsum("tn,tnd->td", pre, streams.float()).to(streams.dtype)
+
+    def hc_head_norm(self, streams, fn, base, scale, hc_eps, norm_eps, weight, eps, mix=None):
+        if (not self.fast or not self._hc_fast(streams) or fn.shape[0] != streams.shape[1] or scale.numel() != 1
+                or streams.shape[2] > 8192):
+            return super().hc_head_norm(streams, fn, base, scale, hc_eps, norm_eps, weight, eps)
+        return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps, norm=(weight, eps), mix=mix)
 
     # -- attention -----------------------------------------------------------------------------------------------
     def sparse_attention(self, q, kv, indices, sinks, scale):

@@ -27,10 +27,12 @@ MAX_ROWS = 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, chunk,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, norm_ptr, M, N, K, chunk, eps,
                  stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, NORM: tl.constexpr):
+    """NORM: each row of x RMS-normed with `norm` first (every program sums the row's squares itself: a few KB
+    from the L2), rounded to x's dtype as a separate `rms_norm` would store it."""
     block = tl.program_id(0)
     g = tl.program_id(1)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -38,10 +40,20 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, chunk,
     x_rows = x_ptr + g * stride_xg + m[:, None] * stride_xm
     w_rows = w_ptr + g.to(tl.int64) * stride_wg + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if NORM:
+        squares = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, axis=1)
+        r = tl.rsqrt(squares / K + eps)[:, None]
     k_first = tl.program_id(2) * chunk
     for k0 in range(k_first, k_first + chunk, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+        if NORM:
+            x = (x.to(tl.float32) * r * tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+                 ).to(x_ptr.dtype.element_ty)
         w = tl.load(w_rows + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     out_at = out_ptr + g * stride_og + m[:, None] * stride_om + n[None, :]
@@ -85,18 +97,19 @@ def _tiles(N: int, K: int, G: int, tiles: dict | None) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
-         counters: torch.Tensor | None = None) -> torch.Tensor:
+         counters: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, for M <= MAX_ROWS (fp32 accumulation): one group."""
-    return grouped_gemv(x[:, None], w[None], tiles, counters)[:, 0]
+    return grouped_gemv(x[:, None], w[None], tiles, counters, norm)[:, 0]
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """x [M, G, K], w [G, N, K] -> [M, G, N]: group g of every row through w[g], for M <= MAX_ROWS.
 
     `counters`: zeroed int32 arrival counters on x's device, at least G * cdiv(N, BLOCK_N) of them, owned by the
     caller (a call leaves them zero; calls sharing them must not overlap in time, as on one stream). Without
-    them (or with too few) K is not split."""
+    them (or with too few) K is not split. `norm` (weight [K], eps): each x[m, g] RMS-normed with it first
+    (`Backend.rms_norm_linear`)."""
     M, G, K = x.shape
     N = w.shape[1]
     out = torch.empty((M, G, N), dtype=x.dtype, device=x.device)
@@ -113,9 +126,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
     split = triton.cdiv(K, chunk)  # (rounding the chunk up can leave fewer chunks)
     part = torch.empty((split, G, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     _gemv_kernel[(blocks, G, split)](
-        x, w, out, part, counters if split > 1 else out, M, N, K, chunk,
+        x, w, out, part, counters if split > 1 else out, norm[0] if norm is not None else x, M, N, K, chunk,
+        float(norm[1]) if norm is not None else 0.0,
         x.stride(1), x.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
         BLOCK_M=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), SPLIT=split,
-        num_warps=t["num_warps"], num_stages=t["num_stages"],
+        NORM=norm is not None, num_warps=t["num_warps"], num_stages=t["num_stages"],
     )
     return out

@@ -191,12 +191,14 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
                              norm=norm, mix=mix)
 
 
-def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None):
+def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None, norm=None, mix=None):
     """The model's final collapse (`Backend.hc_head`): streams [T, n, D], fn [n, n * D] fp32, base [n], scale [1]
     -> [T, D] in the streams' dtype, weights `sigmoid(mix * scale + base) + hc_eps` of the RMS-normed mix. The
     two launches of `hc_pre` (its mix, and its collapse without post, comb or Sinkhorn), where torch took ~15
-    (the fp32 copy, the mix, the norm's reductions, the sigmoid, the weighted sum)."""
-    return _mix_and_collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, out, None, None, head=True)[0]
+    (the fp32 copy, the mix, the norm's reductions, the sigmoid, the weighted sum). `norm` and `mix` as in
+    `hc_pre` (the model's final norm, `Backend.hc_head_norm`; the last layer's `hc_post_mix` parts)."""
+    return _mix_and_collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, out, None, None, head=True, norm=norm,
+                             mix=mix)[0]
 
 
 def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool, norm=None,
