@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One device call's worth of checks and timings, picked by name (device time is scarce; each part writes into
-# $OUT as it goes, so a call cut short still returns what it finished):
+# The NVIDIA backend's checks and timings on one GPU machine, picked by name for one device call (device time is
+# scarce; each part writes into $OUT as it goes, so a call cut short still returns what it finished). Wheels the
+# machine lacks travel in .whl/ (deepseek-recipe for the tokenizer tests; sgl-deep-gemm 0.1.5 with apache-tvm-ffi
+# 0.1.11 for the DeepGEMM path: `pip download --no-deps sgl-deep-gemm==0.1.5` and the cp312 wheel).
 #
-#   bash bench/gpu_call.sh "kernels graphs sweep_gemv trace"
+#   bash bench/gpu_call.sh "kernels graphs trace" [bench/gpu.py options for the bench part...]
 #
-# kernels: the kernel tests of tests/gpu/test_kernels.py; graphs: the CUDA-graph tests; all_tests: every GPU
-# test; sweep_gemv: bench/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at batch 1 and 64; decode:
-# bench/gpu.py --decode-only; bench: the whole bench/gpu.py (transformers' rows reused from run 3).
+# kernels: the kernel tests of tests/gpu/test_kernels.py; graphs: the CUDA-graph tests; all_tests: every GPU test
+# (gpu_tests.log); sweep_gemv: bench/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at batch 1 and 64;
+# decode: bench/gpu.py --decode-only (transformers' rows reused from run 3); bench: the whole bench/gpu.py
+# (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf bench/results/
+# gpu_bench_run3.json. bench/gpu_all.sh is "all_tests bench".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -19,16 +23,21 @@ else
 fi
 export PYTHONUNBUFFERED=1
 HF=bench/results/gpu_bench_run3.json
-for part in $1; do
+PARTS=$1
+shift
+BENCH_ARGS=("$@")
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for part in $PARTS; do
     echo "== $part ($(date +%T))"
     case $part in
         kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -15 ;;
         graphs) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$OUT/graphs.log" | tail -15 ;;
-        all_tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+        all_tests) python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
         sweep_gemv) python3 bench/kernel_sweep.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/sweep_gemv.log" | grep -v "^  " ;;
         trace) python3 bench/decode_trace.py --batches 1,64 --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -30 ;;
         decode) python3 bench/gpu.py --reuse-hf $HF --decode-only --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 ;;
-        bench) python3 bench/gpu.py --reuse-hf $HF --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
+        bench) python3 bench/gpu.py --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
         *) echo "unknown part $part" ;;
     esac
 done
