@@ -87,6 +87,7 @@ class Attention(nn.Module):
             compressed = self.compressor(x, qr, batch, states) if self.compressor is not None else None
             pools = self._paged_pools(kv, batch, states)
             layout = paged_layout(batch, states) if pools is not None else None
+
         def attend(pool, indices):  # the attention output, its rotary dims turned back (V = K carries them)
             return b.sparse_attention_rope(q, pool, indices, self.sinks, self.scale, batch.positions, self.inv_freq)
 
