@@ -57,6 +57,33 @@ def _owned_equal(a: PagedKVCache, b: PagedKVCache) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 @torch.inference_mode()
 def test_static_decode_equals_paged_decode(model, seed):
+    _check_static_equals_paged(model, seed)
+
+
+@torch.inference_mode()
+def test_static_decode_with_every_row_chosen(tmp_path_factory, monkeypatch):
+    """The same with the indexer's top-k raised to 32 (two pages' rows): a static step over one or two pages
+    then gives its CSA layers' rows as a rule (`VisibleRows`, no indexer query) and its query latent's norm to
+    q_b's projection (`rms_norm_linear`), over more pages it scores; the same bits as the paged path either way."""
+    from deepserve.model.compressor import Indexer
+
+    model = tiny.demo_model(tmp_path_factory, seed=6)
+    for m in model.modules():
+        if isinstance(m, Indexer):
+            m.topk = 32
+    seen = []
+    scores_static = Indexer.scores_static
+
+    def counted(self, tables, pages):
+        seen.append(scores_static(self, tables, pages))
+        return seen[-1]
+
+    monkeypatch.setattr(Indexer, "scores_static", counted)
+    _check_static_equals_paged(model, 3)
+    assert True in seen and False in seen
+
+
+def _check_static_equals_paged(model, seed):
     rng = random.Random(seed)
     num_slots, num_pages = 12, 80
     caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
