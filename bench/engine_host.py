@@ -6,9 +6,9 @@
 step's samples at once (random ids over the embedded model's tokenizer). So each `step()` is pure host work: plan
 the step, build its input, apply the previous step's samples, detokenize, check stops, make the outputs. With
 asynchronous scheduling that work overlaps the device's step, so the engine keeps a GPU busy only while it is
-shorter than the device's step (the H200 decode graph: 2.0 ms at batch 1, 4.1 ms at 64, 6.2 ms at 256;
-docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size, prompt length and
-output length so far: greedy requests streamed (a snapshot of each every step), the same with snapshots holding
+shorter than the device's step (the H200 decode graph: 1.55 ms at batch 1, 3.86 ms at 64, 5.85 ms at 256 in
+run 39; docs/benchmarks.md). Prints and writes the median milliseconds per step at each batch size, prompt length
+and output length so far: greedy requests streamed (a snapshot of each every step), the same with snapshots holding
 views of the output (`views=True`, as the server streams), with stop strings, and with only final outputs
 (`LLM.generate`).
 """
