@@ -219,18 +219,21 @@ class NvidiaBackend(ReferenceBackend):
             return super().hc_post(streams, block_out, post, comb)
         return self.kernels.mhc.hc_post(streams, block_out, post, comb)
 
+    def _hc_head_fast(self, streams, fn, scale) -> bool:
+        """Whether the Triton `hc_head` takes this head: `_hc_fast` streams, one mix row per stream, one scale."""
+        return self.fast and self._hc_fast(streams) and fn.shape[0] == streams.shape[1] and scale.numel() == 1
+
     def hc_head(self, streams, fn, base, scale, hc_eps, norm_eps):
         if not self.fast:
             return super().hc_head(streams, fn, base, scale, hc_eps, norm_eps)
-        if self._hc_fast(streams) and fn.shape[0] == streams.shape[1] and scale.numel() == 1:
+        if self._hc_head_fast(streams, fn, scale):
             return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
         mix = _hc_mix(streams, fn, norm_eps)
         pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
         return torch.einsum("tn,tnd->td", pre, streams.float()).to(streams.dtype)
 
     def hc_head_norm(self, streams, fn, base, scale, hc_eps, norm_eps, weight, eps, mix=None):
-        if (not self.fast or not self._hc_fast(streams) or fn.shape[0] != streams.shape[1] or scale.numel() != 1
-                or streams.shape[2] > 8192):
+        if not self._hc_head_fast(streams, fn, scale) or streams.shape[2] > 8192:
             return super().hc_head_norm(streams, fn, base, scale, hc_eps, norm_eps, weight, eps)
         return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps, norm=(weight, eps), mix=mix)
 

@@ -201,6 +201,12 @@ def hc_head(streams, fn, base, scale, hc_eps, norm_eps, out=None, norm=None, mix
                              mix=mix)[0]
 
 
+def _mix_width(nout: int) -> int:
+    """Columns of a mix's partial sums: the NOUT outputs and a spare one for the sum of squares, a power of two
+    (the layout `_hc_mix_kernel` and `_hc_post_mix_kernel` write and `_hc_pre_kernel` reads)."""
+    return triton.next_power_of_2(max(nout + 1, 16))
+
+
 def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, split, tiles, head: bool, norm=None,
                       mix=None):
     tiles = tiles or {}
@@ -213,7 +219,7 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
     if not T:
         return x, post, comb
     K, nout = n * D, fn.shape[0]
-    block_o = triton.next_power_of_2(max(nout + 1, 16))  # a spare column for the sum of squares
+    block_o = _mix_width(nout)
     if split is None:  # the split at every T (bench/kernel_sweep.py, run 16: 9.6 us against 17.5 at one token)
         split = True
     split = split and streams.dtype == torch.bfloat16
@@ -341,7 +347,7 @@ def hc_post_mix(streams, block_out, post, comb, next_fn) -> tuple[torch.Tensor, 
         return hc_post(streams, block_out, post, comb), None
     streams, block_out = streams.contiguous(), block_out.contiguous()
     out = torch.empty_like(streams)
-    block_o = triton.next_power_of_2(max(nout + 1, 16))
+    block_o = _mix_width(nout)
     parts = torch.empty((blocks, T, block_o), dtype=torch.float32, device=streams.device)
     w = split_bf16(next_fn)
     block_t = 16 if T <= 16 else 64
