@@ -53,14 +53,18 @@ class DeepseekV4Body(nn.Module):
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> torch.Tensor:
         return self.forward_mixed(batch, states)[0]
 
-    def forward_mixed(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> tuple[torch.Tensor, object]:
-        """`forward`, and what the last layer left for the final head's mix (`final_hidden`'s `mix`, for these
-        streams' rows as they are)."""
+    def forward_mixed(self, batch: ForwardBatch, states: Sequence[SequenceState],
+                      head_mix: bool = False) -> tuple[torch.Tensor, object]:
+        """`forward`, and (`head_mix`) what the last layer left for the final head's mix: `final_hidden`'s `mix`,
+        for these streams' rows as they are (so only of use where every row is a logits row, in order)."""
         e = self.embed_tokens(batch.token_ids)
         streams = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         mix = None
         for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else self.hc_head
+            if i + 1 < len(self.layers):
+                following = self.layers[i + 1].attn_hc
+            else:  # the head: only where its mix is used
+                following = self.hc_head if head_mix else None
             streams, mix = layer.forward_mixed(streams, batch, [s.layers[i] for s in states], batch.token_ids, mix,
                                                following)
         return streams, mix
@@ -121,7 +125,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         `batch.logits_indices`."""
         if batch.static is None:  # a static (fixed-shape decode) step gets no states: its caller keeps them
             check_states(batch, states)
-        streams, mix = self.model.forward_mixed(batch, states)
+        streams, mix = self.model.forward_mixed(batch, states, head_mix=batch.static is not None)
         if batch.static is not None:  # every row of a static step is a logits row, in order: no gather
             hidden = self.model.final_hidden(streams, mix)
         else:
