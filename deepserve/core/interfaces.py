@@ -171,6 +171,11 @@ class Backend(ABC):
         q [T, Hi, Di] (scaling already applied by the caller), weights [T, Hi], keys [N, Di].
         """
 
+    @abstractmethod
+    def softmax_pool(self, values: Tensor, gates: Tensor) -> Tensor:
+        """A compressor's pooling: `sum_s values[b, s] * softmax_s(gates[b, s])`, per channel, over the block's
+        slots s. values, gates [B, S, d] (a gate of -inf drops its slot). Returns [B, d] fp32."""
+
     def rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
         """`linear(rms_norm(x, norm_weight, eps), weight)`, the normed rows not kept. One op, so that a backend
         can norm the rows as its projection reads them; the default is the two ops."""

@@ -84,7 +84,7 @@ class _Pooler(nn.Module):
     def _rows(self, kv: torch.Tensor, gate: torch.Tensor, first_row: torch.Tensor) -> torch.Tensor:
         """The rows of closed blocks (their slots' projections [B, slots, dim]): a per-channel softmax of the gates
         over the slots weights the kv; then RMSNorm, and RoPE at each block's first position (row * ratio)."""
-        pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
+        pooled = self.backend.softmax_pool(kv, gate)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
         return self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True)
 

@@ -46,7 +46,7 @@ def _pool(pooler: _Pooler, x: torch.Tensor, p: Pass) -> torch.Tensor:
         prev_gate = torch.cat((torch.full_like(gate[:, :1, :, :d], float("-inf")), gate[:, :-1, :, :d]), dim=1)
         kv = torch.cat((prev_kv, kv[..., d:]), dim=2)
         gate = torch.cat((prev_gate, gate[..., d:]), dim=2)
-    pooled = (kv * torch.softmax(gate, dim=2)).sum(dim=2)  # [B, R, d]
+    pooled = pooler.backend.softmax_pool(kv.flatten(0, 1), gate.flatten(0, 1)).view(p.B, R, -1)  # [B, R, d]
     rows = pooler.backend.rms_norm(pooled, pooler.kv_norm.weight, pooler.eps)
     positions = (torch.arange(R, device=x.device) * m).repeat(p.B)
     return pooler.backend.apply_rope(rows.reshape(p.B * R, d), positions, pooler.inv_freq).view(p.B, R, d)

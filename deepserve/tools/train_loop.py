@@ -239,7 +239,7 @@ class RouterBalancer:
 
 
 def build_trainable(model_cfg: ModelConfig, device: str, token_counts: np.ndarray, seed: int):
-    model = build_model(model_cfg, ReferenceBackend(device), torch.float32)
+    model = build_model(model_cfg, ReferenceBackend(device, exact=False), torch.float32)
     init_weights(model, token_counts, seed)
     model.train().requires_grad_(True)
     return model

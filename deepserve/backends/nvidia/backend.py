@@ -250,6 +250,11 @@ class NvidiaBackend(ReferenceBackend):
             return super().sparse_attention_rope(q, kv, indices, sinks, scale, positions, inv_freq)
         return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale, rope=(positions, inv_freq))
 
+    def softmax_pool(self, values, gates):
+        if not self.fast:
+            return super().softmax_pool(values, gates)
+        return (values.float() * torch.softmax(gates.float(), dim=1)).sum(dim=1)
+
     def compress_decode(self, kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv,
                         prev_gate, rows, norm_weight, inv_freq, eps):
         D = rows.shape[-1]

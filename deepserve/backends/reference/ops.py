@@ -1,37 +1,39 @@
 """Pure-PyTorch implementation of every `Backend` op: runs on CPU and CUDA, and is the numerical oracle that
-accelerator kernels are checked against. Written for clarity, not speed."""
+accelerator kernels are checked against. Written for clarity, not speed.
+
+With `exact=True` (the default) every reduction and transcendental function goes through `exact.py`, so a row's
+result is a function of that row alone: the same bits alone or in any batch, on any CPU (the engine's batch
+invariance rests on it). `exact=False` computes the same formulas with torch's own kernels: differentiable and
+faster, for training, and not batch-invariant.
+"""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from deepserve.core.interfaces import Backend
-
 from deepserve.sampling import sample as _sample
 
+from . import exact as _ex
 
-# CPU BLAS (and cuBLAS) pick other kernels for very few rows, which changes the rounding of those rows; padding
-# every GEMM to at least this many rows keeps a row's result independent of the batch it is in.
-MIN_GEMM_ROWS = 4
-
-
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] >= MIN_GEMM_ROWS:
-        return x
-    return torch.cat((x, x.new_zeros((MIN_GEMM_ROWS - x.shape[0],) + tuple(x.shape[1:]))))
-
-
-def _exact(fn, x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` through float64. Vectorised CPU kernels evaluate transcendental functions with other
-    approximations in a tensor's vector body than in its tail, so an element's fp32 result would depend on where
-    it sits in the batch; in float64 both paths round to the same fp32 value (batch invariance)."""
-    return fn(x.double()).to(x.dtype)
+# the formulas' primitives, by mode: float64 results from `exact`, the inputs' dtype from torch
+_EXACT = _ex
+_TORCH = SimpleNamespace(
+    matmul=lambda a, b, b_slices=None: torch.matmul(a, b),
+    grid_sum=lambda x, dim, keepdim=False: x.sum(dim=dim, keepdim=keepdim),
+    ordered_sum=lambda x, dim, keepdim=False: x.sum(dim=dim, keepdim=keepdim),
+    exp=torch.exp, sigmoid=torch.sigmoid, silu=F.silu, softplus=F.softplus, rsqrt=torch.rsqrt,
+    sincos=lambda x: (torch.sin(x), torch.cos(x)),
+    softmax=lambda x, dim=-1: torch.softmax(x, dim=dim),
+)
 
 
 def _weighted_streams(weights: torch.Tensor, streams: torch.Tensor, cast: bool = True) -> torch.Tensor:
-    """sum_j weights[:, j] * streams[:, j] in fp32, accumulated stream by stream in a fixed order (a tensor
-    reduction here would round differently depending on how many tokens the batch holds)."""
+    """sum_j weights[:, j] * streams[:, j] in fp32, accumulated stream by stream in a fixed order (elementwise
+    multiplies and adds only)."""
     acc = weights[:, 0, None] * streams[:, 0].float()
     for j in range(1, streams.shape[1]):
         acc = acc + weights[:, j, None] * streams[:, j].float()
@@ -39,34 +41,49 @@ def _weighted_streams(weights: torch.Tensor, streams: torch.Tensor, cast: bool =
 
 
 class ReferenceBackend(Backend):
-    """The reference ops. Every computation that the V4 reference keeps in fp32 is done in fp32 here."""
+    """The reference ops. Every computation that the V4 reference keeps in fp32 is done in fp32 here, or, with
+    `exact=True`, in float64 and rounded to fp32 where the reference rounds (see the module docstring)."""
 
     name = "cpu"
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", exact: bool = True) -> None:
         self._device = str(torch.device(device))
+        self.exact = exact
+        self._num = _EXACT if exact else _TORCH
+        self._weight_slices = _ex.WeightSlices()
+        self._rope_tables = _ex.OwnerCache()  # inv_freq -> (sin, cos) [positions, rd/2] fp32
 
     @property
     def device(self) -> str:
         return self._device
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device={self._device!r})"
+        return f"{type(self).__name__}(device={self._device!r}, exact={self.exact})"
 
     # -- GEMMs -------------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        return F.linear(_pad_rows(x), weight)[:rows]
+        if not self.exact:
+            return F.linear(x, weight)
+        hi, lo = self._weight_slices.slices(weight)
+        return _ex.matmul(x, weight.t(), b_slices=(hi.t(), lo.t())).to(x.dtype)
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        out = torch.bmm(_pad_rows(x).transpose(0, 1), weight.transpose(1, 2))  # [G, T, N]
-        return out.transpose(0, 1)[:rows]
+        if not self.exact:
+            return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        hi, lo = self._weight_slices.slices(weight)  # [G, N, K], each row sliced over K
+        out = _ex.matmul(x.transpose(0, 1), weight.transpose(1, 2),
+                           b_slices=(hi.transpose(1, 2), lo.transpose(1, 2)))  # [G, T, N]
+        return out.transpose(0, 1).to(x.dtype)
 
     # -- elementwise -------------------------------------------------------------------------------------------
+    def _inv_rms(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """1 / sqrt(mean(x^2) + eps) over the last dim, keepdim, fp32."""
+        xf = x.double() if self.exact else x.float()
+        mean = self._num.grid_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
+        return self._num.rsqrt(mean + eps).float()
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        xf = x.float()
-        y = xf * _exact(torch.rsqrt, xf.square().mean(-1, keepdim=True) + eps)
+        y = x.float() * self._inv_rms(x, eps)
         if weight is not None:
             y = weight.float() * y
         return y.to(x.dtype)
@@ -76,8 +93,7 @@ class ReferenceBackend(Backend):
         inplace: bool = False,
     ) -> torch.Tensor:
         rd = 2 * inv_freq.shape[0]
-        angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, rd/2]
-        cos, sin = _exact(torch.cos, angles), _exact(torch.sin, angles)
+        sin, cos = self._sin_cos(positions, inv_freq)
         if inverse:
             sin = -sin
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
@@ -87,11 +103,35 @@ class ReferenceBackend(Backend):
         rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
         return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
 
+    def _sin_cos(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """sin and cos of the angles `position * inv_freq` (fp32, as the reference forms them), [T, rd/2] fp32.
+        Exact mode reads them from a table per `inv_freq` (the same values: each entry is elementwise), grown to
+        the largest position seen, because the series cost more than the rest of the rotation."""
+        if not self.exact:
+            angles = positions.float()[:, None] * inv_freq.float()[None, :]
+            return torch.sin(angles), torch.cos(angles)
+        low, high = (int(v) for v in torch.aminmax(positions)) if positions.numel() else (0, 0)
+        if low < 0:  # not a position a table holds: the series for these angles
+            angles = positions.float()[:, None] * inv_freq.float()[None, :]
+            return tuple(t.float() for t in _ex.sincos(angles))
+        need = high + 1
+
+        def table(freq: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+            size = max(1024, 1 << (need - 1).bit_length())
+            angles = torch.arange(size, device=freq.device).float()[:, None] * freq.float()[None, :]
+            sin, cos = _ex.sincos(angles)
+            return size, sin.float(), cos.float()
+
+        _, sin, cos = self._rope_tables.get(inv_freq, table, valid=lambda entry: entry[0] >= need)
+        return sin[positions], cos[positions]
+
     # -- mHC ---------------------------------------------------------------------------------------------------
     def _hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
         flat = streams.flatten(1).float()
-        flat = flat * _exact(torch.rsqrt, flat.square().mean(-1, keepdim=True) + norm_eps)
-        return self.linear(flat, fn.float())
+        return self.linear(flat * self._inv_rms(flat, norm_eps), fn.float())
+
+    def _sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return self._num.sigmoid(x).float()
 
     def hc_pre(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
         n = streams.shape[1]
@@ -99,13 +139,14 @@ class ReferenceBackend(Backend):
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = scale.float().unbind(0)
-        pre = _exact(torch.sigmoid, pre_w * s_pre + pre_b) + hc_eps
-        post = 2 * _exact(torch.sigmoid, post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        gates = self._sigmoid(torch.cat((pre_w * s_pre + pre_b, post_w * s_post + post_b), dim=-1))  # one series
+        pre, post = gates[:, :n] + hc_eps, 2 * gates[:, n:]
+        total = self._num.ordered_sum
+        comb = self._num.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1).float() + hc_eps
+        comb = comb / (total(comb, -2, keepdim=True) + hc_eps)
         for _ in range(iters - 1):  # Sinkhorn: rows, then columns
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+            comb = comb / (total(comb, -1, keepdim=True) + hc_eps)
+            comb = comb / (total(comb, -2, keepdim=True) + hc_eps)
         return _weighted_streams(pre, streams), post, comb
 
     def hc_post(self, streams, block_out, post, comb):
@@ -116,34 +157,22 @@ class ReferenceBackend(Backend):
 
     def hc_head(self, streams, fn, base, scale, hc_eps, norm_eps):
         mix = self._hc_mix(streams, fn, norm_eps)
-        pre = _exact(torch.sigmoid, mix * scale.float() + base.float()) + hc_eps
+        pre = self._sigmoid(mix * scale.float() + base.float()) + hc_eps
         return _weighted_streams(pre, streams)
 
     # -- attention ---------------------------------------------------------------------------------------------
     def sparse_attention(self, q, kv, indices, sinks, scale):
-        # Batch invariance: each query is reduced over its own index list cut after its last valid entry, never
-        # over padding that depends on the other sequences in the batch. Queries are grouped by that width.
+        # Batch invariance: the index lists are padded (-1) to the longest in the batch; a padded entry's key is
+        # zero and its logit -inf, which the exact sums and products ignore, so a query's result does not depend
+        # on the padding (the torch mode is not batch-invariant anyway).
         valid = indices >= 0
-        cols = torch.arange(indices.shape[1], device=indices.device)
-        width = torch.where(valid, cols + 1, torch.zeros_like(cols)).amax(dim=1) if indices.numel() else \
-            torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-        out = torch.empty_like(q)
-        for w in torch.unique(width).tolist():
-            rows = (width == w).nonzero().squeeze(1)
-            out[rows] = self._attend(q[rows], kv, indices[rows, :w], sinks, scale)
-        return out
-
-    @staticmethod
-    def _attend(q, kv, indices, sinks, scale):
-        valid = indices >= 0
-        keys = kv[indices.clamp(min=0)]  # [T, K, d]
-        scores = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
+        keys = torch.where(valid[..., None], kv[indices.clamp(min=0)].float(), 0.0)  # [T, K, d]
+        num = self._num
+        scores = num.matmul(q.float(), keys.transpose(1, 2)) * scale  # [T, H, K]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-        logits = torch.cat((scores, sink), dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+        sink = sinks.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = num.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        return num.matmul(probs, keys).to(q.dtype)
 
     def indexer_topk(self, q, weights, keys, key_start, key_count, topk):
         T = q.shape[0]
@@ -154,11 +183,9 @@ class ReferenceBackend(Backend):
         offs = torch.arange(width, device=q.device)
         visible = offs[None, :] < key_count[:, None]
         rows = (key_start[:, None] + offs[None, :]).clamp(max=max(keys.shape[0] - 1, 0))
-        k = keys[rows].float()  # [T, width, Di]
-        # products reduced over the last dim, not a matmul: BLAS would block the reduction differently for
-        # different widths, and the width is the longest sequence in the batch (batch invariance)
-        dots = (q.float()[:, :, None, :] * k[:, None, :, :]).sum(dim=-1)  # [T, Hi, width]
-        scores = (torch.relu(dots) * weights.float()[:, :, None]).sum(dim=1)
+        k = keys[rows].float()  # [T, width, Di]; a key's score depends on that key alone, so the width is free
+        dots = self._num.matmul(q.float(), k.transpose(1, 2))  # [T, Hi, width]
+        scores = self._num.grid_sum(torch.relu(dots) * weights.to(dots.dtype)[:, :, None], 1)
         scores = scores.masked_fill(~visible, float("-inf"))
         # stable descending sort: equal scores keep ascending row order, so the lowest row wins a tie
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
@@ -179,8 +206,14 @@ class ReferenceBackend(Backend):
         chosen = self.indexer_topk(q, weights, keys, start, key_count, topk)
         return torch.where(chosen >= 0, chosen - start[:, None], chosen)
 
+    # -- compression -------------------------------------------------------------------------------------------
+    def softmax_pool(self, values, gates):
+        weights = self._num.softmax(gates.float(), dim=1).float()
+        return self._num.grid_sum(values.float() * weights, 1).float()
+
     # -- MoE ---------------------------------------------------------------------------------------------------
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        # each token's experts are added in ascending expert order, whatever else the batch routes
         out = torch.zeros_like(x, dtype=torch.float32)
         flat_ids = topk_ids.reshape(-1)
         token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
@@ -201,10 +234,10 @@ class ReferenceBackend(Backend):
         return out.to(x.dtype)
 
     def router_scores(self, logits):
-        return _exact(lambda t: torch.sqrt(F.softplus(t)), logits.float())
+        return torch.sqrt(self._num.softplus(logits.float())).float()
 
     def swiglu(self, gate, up, limit):
-        return _exact(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        return self._num.silu(gate.clamp(max=limit)).to(gate.dtype) * up.clamp(min=-limit, max=limit)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
