@@ -3,7 +3,7 @@
 The offline API follows vLLM's: `from deepserve import LLM, SamplingParams`.
 """
 
-from deepserve.core.async_engine import AsyncEngine
+from deepserve.async_api import AsyncEngine
 from deepserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.llm import LLM

@@ -136,7 +136,7 @@ def test_prompt_longer_than_the_context(tiny_dir):
 def test_model_location_errors(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSERVE_MODEL", raising=False)
     monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
-    monkeypatch.setattr("deepserve.llm.default_model_dir", lambda: None)  # as if the embedded model were absent
+    monkeypatch.setattr("deepserve.build.default_model_dir", lambda: None)  # as if the embedded model were absent
     with pytest.raises(ValueError, match="no model given"):
         LLM()
     with pytest.raises(CheckpointError, match="does not exist"):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.core.engine import EngineCore
+from deepserve.core.engine import EngineCore, EngineSnapshot
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 
@@ -51,9 +51,12 @@ class AsyncEngine:
     """`async for out in engine.generate(ids, params): ...`; call `start()` first and `shutdown()` last."""
 
     def __init__(self, engine: EngineCore, plugin_manager=None) -> None:
-        """`plugin_manager`: its `deepserve_request_finished` observers see every finished request."""
+        """`engine`: a built engine (`deepserve.build.build_engine`; `deepserve.AsyncEngine.from_pretrained`
+        builds one); this object's thread drives it from `start()` on. `plugin_manager`: its
+        `deepserve_request_finished` observers see every finished request."""
         self.engine = engine
         self.plugin_manager = plugin_manager
+        self._snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -62,17 +65,6 @@ class AsyncEngine:
         self._outputs: asyncio.Queue | None = None
         self._fanout: asyncio.Task | None = None
         self._dead: BaseException | None = None
-
-    @classmethod
-    def from_pretrained(cls, model: str | None = None, **llm_kwargs: Any) -> AsyncEngine:
-        """Build the engine the way `LLM` does (same options) and wrap it."""
-        from deepserve.llm import LLM
-
-        llm = LLM(model, **llm_kwargs)
-        engine = cls(llm.engine, llm.plugin_manager)
-        engine.llm = llm  # keeps the tokenizer and model reachable for callers
-        llm.async_owner = engine
-        return engine
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -95,6 +87,11 @@ class AsyncEngine:
             self._outputs.put_nowait(None)
             await self._fanout
         self.engine.shutdown()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters after its latest step (a value the engine thread published; safe from any
+        thread)."""
+        return self._snapshot
 
     @property
     def num_open_streams(self) -> int:
@@ -175,6 +172,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._post(outputs)
+                self._snapshot = self.engine.snapshot()  # one reference assignment: readers see whole values
         except BaseException as exc:  # noqa: BLE001 - reported to every stream, then the thread ends
             logger.exception("deepserve engine thread failed")
             self._dead = exc

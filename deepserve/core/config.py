@@ -8,6 +8,7 @@ from any of those sources loads without edits. Plain Python: no torch here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -364,10 +365,23 @@ class SpeculativeConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Options of one engine instance, as given to `LLM(...)` or `deepserve serve`.
+    """Every option of one engine instance, in vLLM's names: what `LLM(model, **options)`,
+    `AsyncEngine.from_pretrained(model, **options)` and `deepserve serve` take, validated here once. Hooks
+    receive this object at start-up, and `deepserve.build.build_engine` builds an engine from it.
 
-    `accelerator` is `auto` (the plugins decide), `cpu`, `nvidia`, `ascend` or a third-party backend's name;
-    `device` optionally pins a torch device (`cuda:1`). Hooks receive this object at start-up.
+    - `model`: the checkpoint directory. `dtype`: `auto` (bf16 on accelerators, fp32 on CPU), `float32`,
+      `bfloat16`, `float16`. `accelerator`: `auto` (the plugins decide), `cpu`, `nvidia`, `ascend` or a
+      third-party backend's name; `device` optionally pins a torch device (`cuda:1`). `seed`: the engine's
+      default sampling seed.
+    - Scheduling: `max_model_len` (default the model's), `max_num_seqs`, `max_num_batched_tokens` (tokens per
+      step), `step_time_target` (seconds the cost model sizes prefill chunks for), `async_scheduling` (plan step
+      N+1 while N runs).
+    - KV cache: `block_size` (tokens per page, a multiple of 128), `enable_prefix_caching`, `kv_cache_bytes`
+      (else `gpu_memory_utilization` of the device's memory minus the weights on a GPU, 512 MiB on CPU).
+    - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
+      `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
+    - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
+      `load_plugins`: load third-party plugins from the `deepserve` entry points.
     """
 
     model: str | None = None
@@ -377,19 +391,53 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    step_time_target: float = 0.5
+    async_scheduling: bool = True
+    block_size: int = 256
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    structured_outputs_backend: str = "llguidance"
+    grammar_compile_timeout: float = 10.0
+    grammar_compile_workers: int = 2
     speculative_config: SpeculativeConfig | None = None
+    enforce_eager: bool = False
+    load_plugins: bool = True
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.model is not None:
+            self.model = str(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.accelerator, str) or not self.accelerator:
             raise ValueError(f"accelerator must be a non-empty string, got {self.accelerator!r}")
         self.accelerator = self.accelerator.lower()
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "grammar_compile_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.step_time_target > 0:
+            raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+
+    @classmethod
+    def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:
+        """`EngineConfig(model=model, **options)`, with an unknown option named in a TypeError that lists the
+        known ones (a misspelt keyword should not pass silently)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; the options are {sorted(known - {'model'})}")
+        return cls(model=model, **options)
 
 
 def model_config_to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:

@@ -30,6 +30,7 @@ Plain Python: the runner is reached only through `ModelExecutor`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -93,6 +94,24 @@ class SpecDecodeStats:
         for j in range(num_verified):
             self.verified_by_position[j] += 1
             self.accepted_by_position[j] += j < num_accepted
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's numbers at one moment, as a value: what other threads read (the server's metrics), instead of
+    the engine's live objects. `EngineCore.snapshot()` makes one on the engine's thread."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_pages_used: int
+    num_kv_pages_total: int
+    num_prefix_queries: int
+    num_prefix_hits: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_speculative_tokens: int
+    spec: SpecDecodeStats | None  # a copy; None without speculative decoding
 
 
 @dataclass(slots=True)
@@ -178,6 +197,17 @@ class EngineCore:
         for request in aborted:
             self._compiling.pop(request.request_id, None)
         return [self._trackers.pop(r.request_id).output() for r in aborted]
+
+    def snapshot(self) -> EngineSnapshot:
+        """The counters now, copied (call it on the thread that drives this engine)."""
+        s, kv, st = self.scheduler, self.scheduler.kv, self.stats
+        spec = None
+        if self.num_speculative_tokens:
+            spec = dataclasses.replace(st.spec, verified_by_position=list(st.spec.verified_by_position),
+                                       accepted_by_position=list(st.spec.accepted_by_position))
+        return EngineSnapshot(len(s.running), len(s.waiting), kv.pool.num_blocks - kv.num_free_blocks,
+                              kv.pool.num_blocks, kv.num_prefix_queries, kv.num_prefix_hits, st.num_steps,
+                              st.num_prompt_tokens, st.num_generation_tokens, self.num_speculative_tokens, spec)
 
     def has_unfinished_requests(self) -> bool:
         """True until every request is done *and* the runner has dropped their state."""

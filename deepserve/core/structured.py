@@ -114,14 +114,14 @@ def typed_constraint(value: Any) -> dict[str, Any] | None:
     """The `structured_outputs` dict a typed constraint stands for, or None when `value` is not one.
 
     A Pydantic model class is its JSON schema (`model_json_schema()`). An outlines type (outlines >= 1.0,
-    `outlines.types`) maps through `deepserve.plugins.structured.outlines_types`: `JsonSchema` -> json, `Regex`
+    `outlines.types`) maps through `deepserve.core.outlines_types`: `JsonSchema` -> json, `Regex`
     and every other regex term (`integer`, `either(...)`, ...) -> regex, `CFG` -> grammar (compiled as Lark by
     the engine's default backend: outlines_core has no grammars), `Choice` of strings -> choice. Neither
     Pydantic nor outlines is imported unless the value comes from it."""
     if isinstance(value, type) and callable(getattr(value, "model_json_schema", None)):
         return {"json": value.model_json_schema()}
     if type(value).__module__.partition(".")[0] == "outlines":
-        from deepserve.plugins.structured.outlines_types import outlines_constraint  # imports outlines
+        from deepserve.core.outlines_types import outlines_constraint  # imports outlines
 
         return outlines_constraint(value)
     return None

@@ -13,6 +13,7 @@ from deepserve.core.config import ModelConfig
 from deepserve.core.interfaces import Backend
 
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .registry import model_class
 from .loader import load_weights, read_checkpoint, read_config
 from .weight_names import keeps_fp32
 
@@ -52,9 +53,10 @@ def load_model(
 
 
 def build_model(cfg: ModelConfig, backend: Backend, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-    """An uninitialised model on the backend's device; fp32-kept parameters stay fp32 as in the reference."""
+    """An uninitialised model of the class registered for the config's `model_type` (`registry.py`), on the
+    backend's device; fp32-kept parameters stay fp32 as in the reference."""
     with torch.device(backend.device):
-        model = DeepseekV4ForCausalLM(cfg, backend)
+        model = model_class(cfg.raw.get("model_type"))(cfg, backend)
     for name, p in model.named_parameters():
         if p.dtype == torch.float32 and not _keeps_fp32(name):
             p.data = p.data.to(dtype)

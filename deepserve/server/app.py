@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pluggy
 from aiohttp import web
 
-from deepserve.core.async_engine import AsyncEngine
+from deepserve.async_api import AsyncEngine
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import auth_middleware, error_middleware

@@ -82,7 +82,7 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's state at scrape time (plain int and len reads; the engine thread owns the objects)."""
+    """Reads the engine's latest snapshot at scrape time (`AsyncEngine.snapshot()`: never the engine's live objects)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
@@ -97,25 +97,25 @@ class _EngineCollector(Collector):
         engine = self.metrics.engine
         if engine is None:
             return
-        core, kv = engine.engine, engine.llm.kv_manager
+        snap = engine.snapshot()  # a value the engine thread published after its latest step
         yield GaugeMetricFamily("deepserve_num_requests_running", "Requests the scheduler is running",
-                                value=len(core.scheduler.running))
+                                value=snap.num_requests_running)
         yield GaugeMetricFamily("deepserve_num_requests_waiting", "Requests waiting for the scheduler to admit "
-                                "them", value=len(core.scheduler.waiting))
+                                "them", value=snap.num_requests_waiting)
         yield GaugeMetricFamily("deepserve_kv_cache_pages_used", "KV cache pages held by requests",
-                                value=kv.pool.num_blocks - kv.num_free_blocks)
+                                value=snap.num_kv_pages_used)
         yield GaugeMetricFamily("deepserve_kv_cache_pages_total", "KV cache pages in the pool",
-                                value=kv.pool.num_blocks)
+                                value=snap.num_kv_pages_total)
         yield CounterMetricFamily("deepserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=kv.num_prefix_queries)
+                                  value=snap.num_prefix_queries)
         yield CounterMetricFamily("deepserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=kv.num_prefix_hits)
+                                  value=snap.num_prefix_hits)
         yield CounterMetricFamily("deepserve_prompt_tokens", "Prompt tokens computed (prefix-cache hits not "
-                                  "included)", value=core.stats.num_prompt_tokens)
+                                  "included)", value=snap.num_prompt_tokens)
         yield CounterMetricFamily("deepserve_generation_tokens", "Output tokens generated",
-                                  value=core.stats.num_generation_tokens)
-        if core.num_speculative_tokens:
-            yield from _spec_decode_metrics(core.stats.spec)
+                                  value=snap.num_generation_tokens)
+        if snap.spec is not None:
+            yield from _spec_decode_metrics(snap.spec)
 
 
 def _spec_decode_metrics(spec) -> Iterator[Metric]:
