@@ -4,7 +4,7 @@
 engine is put together in one way: backend (chosen by the plugin hooks), model (by the registry's
 `model_type`), tokenizer, speculative proposer, paged KV cache sized from a memory budget, KV manager with
 prefix caching, scheduler with cost-model chunked prefill, CUDA graphs where the backend has them, model
-runner, grammar compiler, and the `EngineCore` that steps them. It lives outside `deepserve.core`, which it
+runner, grammar compiler, the block stores the plugins offer, and the `EngineCore` that steps them. It lives outside `deepserve.core`, which it
 imports, so that `core` stays importable without torch.
 """
 
@@ -22,6 +22,7 @@ from deepserve.core.env import default_model_dir, env_value
 from deepserve.core.grammar_compiler import GrammarCompiler
 from deepserve.core.interfaces import Backend
 from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
+from deepserve.core.kv.store import StoreRegistry
 from deepserve.core.plugins import collect_registrations, make_plugin_manager, select_backend
 from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
 from deepserve.core.scheduler.scheduler import Scheduler
@@ -51,6 +52,7 @@ class EngineParts:
     graphs: Any  # `deepserve.model.cuda_graphs.DecodeGraphs`, or None
     runner: Any  # `deepserve.model.runner.ModelRunner`
     engine: EngineCore
+    block_stores: StoreRegistry  # the stores the plugins offer, by URI scheme
 
 
 def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
@@ -110,8 +112,9 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
                         verify_planner=proposer.planner if proposer else None)
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
+    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
     return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, cache,
-                       cost_model, graphs, runner, engine)
+                       cost_model, graphs, runner, engine, stores)
 
 
 def _proposer(pm, config: EngineConfig, model):

@@ -49,12 +49,18 @@ def deepserve_select_backend(config: EngineConfig) -> Backend | None:
 
 @hookspec
 def deepserve_register_cache_backends(register: Register) -> None:
-    """Contribute prefix-KV stores (e.g. 3FS) and sliding-window-state stores (e.g. host memory).
+    """Contribute block stores for KV blocks beyond the GPU's pages (host memory, a 3FS directory, Redis, ...),
+    each by the URI scheme it serves.
 
-    Called once when the engine starts, through `deepserve.core.plugins.collect_registrations`.
+    Called once when an engine is built (`deepserve.build.build_engine`), through
+    `deepserve.core.plugins.collect_registrations`; the engine keeps the factories in a
+    `deepserve.core.kv.store.StoreRegistry`, which opens a store when a URI names its scheme. The built-in
+    `deepserve.plugins.cache.plugin` registers `memory`.
 
-    :param register: call `register(name, factory)` once per store; `name` is what users select it by and
-        must be unique across all plugins, `factory` is a callable that builds the store when chosen.
+    :param register: call `register(scheme, factory)` once per store; `scheme` is the URI scheme it serves
+        (`dir` for `dir:///mnt/3fs/kv`) and must be unique across all plugins; `factory(uri)` takes the whole
+        URI and returns a `deepserve.core.kv.store.BlockStore` (raise ValueError naming what is wrong with a
+        malformed URI). It is called only when that store is chosen, so heavy imports belong inside it.
     :return: nothing.
     """
 

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS: list[str] = [
     "deepserve.backends.ascend.plugin",
     "deepserve.plugins.structured.plugin",
     "deepserve.plugins.speculative.plugin",
+    "deepserve.plugins.cache.plugin",
 ]
 
 #: accelerator names the built-in backend plugins answer to

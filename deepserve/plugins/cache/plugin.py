@@ -1,0 +1,19 @@
+"""The built-in block stores, contributed through `deepserve_register_cache_backends` by the URI scheme each
+serves: `memory` (`memory_store.py`). The directory (3FS), Redis and erasure-coded stores register here too as
+the cache system brings them."""
+
+from __future__ import annotations
+
+from deepserve.core.hookspecs import Register, hookimpl
+from deepserve.core.kv.store import BlockStore
+
+
+def make_memory_store(uri: str) -> BlockStore:
+    from deepserve.plugins.cache.memory_store import MemoryStore
+
+    return MemoryStore.from_uri(uri)
+
+
+@hookimpl
+def deepserve_register_cache_backends(register: Register) -> None:
+    register("memory", make_memory_store)

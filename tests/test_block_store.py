@@ -1,0 +1,142 @@
+"""The block-store seam: stores registered by URI scheme through `deepserve_register_cache_backends`, the memory
+store behind it, and `GuardedStore`'s contract (a deadline on every call; an error or a timeout is a miss)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from deepserve.core.hookspecs import hookimpl
+from deepserve.core.kv.store import BlockKey, BlockStore, GuardedStore, StoreNamespace, StoreRegistry, StoreStats
+from deepserve.core.plugins import PluginError, collect_registrations, make_plugin_manager
+
+NS = StoreNamespace("deepserve-tiny-v4", "rev0", "v4-paged-1", "float32").key
+
+
+def keys(hashes, pool="csa"):
+    return [BlockKey(NS, h, pool) for h in hashes]
+
+
+def registry(*plugins) -> StoreRegistry:
+    pm = make_plugin_manager(load_entrypoints=False, plugins=plugins)
+    return StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+
+
+async def test_memory_store_puts_gets_and_finds_the_longest_prefix():
+    store = GuardedStore(registry().open("memory://"))
+    assert await store.put_many([(k, bytes([i]) * 8) for i, k in enumerate(keys([11, 12, 13]))]) == 3
+    assert await store.put_many([(k, b"x" * 8) for k in keys([11, 12], pool="hca")]) == 2
+    assert await store.longest_prefix(NS, [11, 12, 13, 14], ["csa"]) == 3
+    assert await store.longest_prefix(NS, [11, 12, 13], ["csa", "hca"]) == 2  # block 13 lacks its hca rows
+    assert await store.longest_prefix("other-model/rev0/v4-paged-1/float32/0", [11], ["csa"]) == 0
+    buffers = [bytearray(8), bytearray(8), bytearray(4)]
+    assert await store.get_many(keys([12, 99, 13]), buffers) == [True, False, False]  # missing; wrong size
+    assert bytes(buffers[0]) == bytes([1]) * 8
+    assert await store.evict(keys([12, 12, 50])) == 1
+    stats = await store.stats()
+    assert (stats.num_blocks, stats.num_bytes, stats.num_hits, stats.num_misses) == (4, 32, 1, 2)
+
+
+async def test_memory_store_evicts_the_least_recently_used_past_its_capacity():
+    store = registry().open("memory://?capacity_bytes=24")
+    await store.put_many([(k, b"a" * 8) for k in keys([1, 2, 3])])
+    await store.get_many(keys([1]), [bytearray(8)])  # block 1 is now the most recent
+    await store.put_many([(keys([4])[0], b"b" * 8), (keys([5])[0], b"c" * 100)])  # 5 is larger than the store
+    assert [await store.longest_prefix(NS, [h], ["csa"]) for h in (1, 2, 3, 4, 5)] == [1, 0, 1, 1, 0]
+    assert (await store.stats()).num_evictions == 1
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("memory", "URI such as"),
+    ("nosuch://x", "no block store serves the scheme 'nosuch'.*memory"),
+    ("memory://host/path", "memory store URI"),
+    ("memory://?capacity_bytes=-3", "capacity_bytes must be a positive integer"),
+    ("memory://?size=3", "unknown option"),
+])
+def test_a_malformed_or_unserved_uri_names_the_problem(uri, message):
+    with pytest.raises(ValueError, match=message):
+        registry().open(uri)
+
+
+def test_the_namespace_refuses_parts_that_would_alias():
+    with pytest.raises(ValueError, match="kv_dtype"):
+        StoreNamespace("m", "r", "layout", "a/b")
+
+
+class Hanging(BlockStore):
+    """Never answers a read; fails every write; answers nonsense to a lookup."""
+
+    async def longest_prefix(self, namespace, block_hashes, pools):
+        return 10**6
+
+    async def get_many(self, keys, buffers):
+        await asyncio.Event().wait()
+
+    async def put_many(self, items, ttl_class=None):
+        raise ConnectionError("store node down")
+
+    async def evict(self, keys):
+        return 0
+
+    async def stats(self):
+        return StoreStats(0, 0)
+
+
+async def test_a_hanging_or_failing_store_is_a_miss_and_counted(caplog):
+    store = GuardedStore(Hanging(), deadline=0.05)
+    caplog.set_level(logging.WARNING)
+    assert await store.get_many(keys([1, 2]), [bytearray(8), bytearray(8)]) == [False, False]
+    assert await store.put_many([(keys([1])[0], b"x")]) == 0
+    assert await store.longest_prefix(NS, [1, 2], ["csa"]) == 2  # clamped to what was asked
+    assert (await store.stats()).num_errors == 2
+    assert "timed out" in caplog.text and "store node down" in caplog.text
+    with pytest.raises(ValueError, match="deadline"):
+        GuardedStore(Hanging(), deadline=0)
+
+
+class ThirdPartyStores:
+    """A plugin as a third-party package would write it: one scheme, a factory that reads its URI."""
+
+    @hookimpl
+    def deepserve_register_cache_backends(self, register):
+        register("fake", lambda uri: FakeStore(uri))
+
+
+class FakeStore(Hanging):
+    def __init__(self, uri):
+        self.uri = uri
+
+
+def test_a_plugin_registers_a_scheme_and_the_registry_opens_it():
+    stores = registry(ThirdPartyStores())
+    assert stores.schemes == ["fake", "memory"]
+    assert stores.open("fake://node-1:9000/kv").uri == "fake://node-1:9000/kv"
+
+
+def test_two_plugins_claiming_one_scheme_is_an_error():
+    class Again:
+        @hookimpl
+        def deepserve_register_cache_backends(self, register):
+            register("memory", lambda uri: None)
+
+    with pytest.raises(PluginError, match="memory"):
+        registry(Again())
+
+
+def test_a_factory_that_returns_no_store_is_refused():
+    class Broken:
+        @hookimpl
+        def deepserve_register_cache_backends(self, register):
+            register("broken", lambda uri: object())
+
+    with pytest.raises(TypeError, match="not a BlockStore"):
+        registry(Broken()).open("broken://")
+
+
+def test_an_engine_holds_the_stores_from_start_up(tiny_dir):
+    from deepserve import LLM
+
+    llm = LLM(tiny_dir, accelerator="cpu", dtype="float32", block_size=128, kv_cache_bytes=2**22)
+    assert "memory" in llm.parts.block_stores.schemes
