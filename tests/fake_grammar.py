@@ -60,3 +60,28 @@ def dead_end_backend(text: str) -> type[GrammarBackend]:
             return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     return DeadEndBackend
+
+
+class SlowBackend(GrammarBackend):
+    """A backend whose compile of a regex holding "slow" never ends (as a pathological grammar's), compiled in
+    child processes like outlines'; any other spec compiles at once, to itself."""
+
+    name = "slow"
+    isolated_compiles = True
+
+    def __init__(self, tokenizer) -> None:
+        self.vocab_size = tokenizer.vocab_size
+
+    def compile(self, spec):
+        if "slow" in spec.spec:
+            import time
+
+            while True:  # busy, as a DFA build is: only ending the process stops it
+                time.sleep(0.01)
+        return spec.spec
+
+    def new_matcher(self, compiled):
+        return DeadEndMatcher([], compiled)
+
+    def allocate_bitmask(self, num_rows):
+        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

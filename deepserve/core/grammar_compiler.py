@@ -4,6 +4,11 @@ Specs compile on a small thread pool while their requests prefill; an LRU cache 
 canonical spec and options makes repeats free; each grammar backend (a plugin factory) is built once, on first
 use; a spec with `after_token` shares the compile of the same spec without it and gets gated matchers. Plain
 Python.
+
+A compile cannot outlive its timeout by much: a backend that declares `isolated_compiles` compiles in child
+processes (`grammar_isolation.py`) that are ended at the timeout; for the others, the waiter gives up at the
+timeout and the late result is not cached. One client (an API key, else an address) may have at most
+`max_workers` compiles in flight, half the pool's threads, so its pathological grammars cannot starve others.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deepserve.core.grammar_gate import GatedBackend
+from deepserve.core.grammar_isolation import CompileProcesses
 from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec, TokenizerInfo
+
+
+class GrammarBusy(GrammarError):
+    """This client already has its share of compiles in flight; retry once one finishes (HTTP 429)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +61,11 @@ class GrammarCompiler:
             raise ValueError(f"the grammar compile timeout must be positive, got {timeout}")
         self.factories, self.tokenizer = dict(factories), tokenizer
         self.default_backend, self.timeout, self.cache_size = default_backend, float(timeout), cache_size
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepserve-grammar")
+        self.max_per_client = max_workers
+        # twice the threads one client may hold: another client always finds one free
+        self._pool = ThreadPoolExecutor(max_workers=2 * max_workers, thread_name_prefix="deepserve-grammar")
+        self._processes: dict[str, CompileProcesses] = {}
+        self._in_flight: dict[str, int] = {}  # client -> compiles of theirs not finished
         self._lock = threading.Lock()
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_locks = {name: threading.Lock() for name in self.factories}
@@ -80,23 +94,57 @@ class GrammarCompiler:
         """Build the default backend on a worker thread now, so the first request does not wait for it."""
         return self._pool.submit(self.backend, self.default_backend)
 
-    def submit(self, spec: GrammarSpec) -> Future:
+    def submit(self, spec: GrammarSpec, client: str | None = None) -> Future:
         """Start compiling `spec` (or share the compile already cached). The future gives a `CompiledGrammar` or
-        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend. A spec with `after_token`
+        raises `GrammarError`. Raises `GrammarError` at once for an unknown backend, and `GrammarBusy` when
+        `client` already has `max_per_client` compiles of uncached specs in flight. A spec with `after_token`
         shares the compile of the same spec without it; its matchers are `GatedMatcher`s."""
         if spec.after_token is not None:
-            return self._gated(self.submit(replace(spec, after_token=None)), spec.after_token)
+            return self._gated(self.submit(replace(spec, after_token=None), client), spec.after_token)
         name = self.backend_name(spec)
-        key = (name, spec.kind, spec.spec, spec.compact_json, spec.ascii_classes)
+        key = self._key(name, spec)
         with self._lock:
             future = self._cache.get(key)
-            if future is None:
-                future = self._cache[key] = self._pool.submit(self._compile, name, spec)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            else:
+            if future is not None:
                 self._cache.move_to_end(key)
+                return future
+            if client is not None:
+                if self._in_flight.get(client, 0) >= self.max_per_client:
+                    raise GrammarBusy(f"this client already has {self.max_per_client} grammar compiles in flight; "
+                                      "retry when one finishes")
+                self._in_flight[client] = self._in_flight.get(client, 0) + 1
+            future = self._cache[key] = self._pool.submit(self._compile, name, spec)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda f: self._settled(key, f, client))
         return future
+
+    @staticmethod
+    def _key(name: str, spec: GrammarSpec) -> tuple:
+        return (name, spec.kind, spec.spec, spec.compact_json, spec.ascii_classes)
+
+    def _settled(self, key: tuple, future: Future, client: str | None) -> None:
+        """A compile finished: its client's count goes down; a timed-out compile is not kept (the machine may
+        just have been busy: a retry compiles again)."""
+        with self._lock:
+            if client is not None:
+                left = self._in_flight.get(client, 1) - 1
+                if left > 0:
+                    self._in_flight[client] = left
+                else:
+                    self._in_flight.pop(client, None)
+            error = None if future.cancelled() else future.exception()
+            if isinstance(error, GrammarError) and "grammar compile timeout" in str(error) \
+                    and self._cache.get(key) is future:
+                del self._cache[key]
+
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop `spec`'s cache entry (its waiter gave up at the timeout): a result that arrives later for a request
+        that has already failed is not kept."""
+        if spec.after_token is not None:
+            spec = replace(spec, after_token=None)
+        with self._lock:
+            self._cache.pop(self._key(self.backend_name(spec), spec), None)
 
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
         """Compile and wait (at most `timeout`, default the compiler's); raises `GrammarError` naming the problem."""
@@ -105,6 +153,7 @@ class GrammarCompiler:
         try:
             return future.result(timeout=timeout)
         except FutureTimeout:
+            self.forget(spec)
             raise GrammarError(timeout_message(spec, timeout)) from None
 
     def _gated(self, compiling: Future, open_token: int) -> Future:
@@ -133,12 +182,26 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            processes, self._processes = list(self._processes.values()), {}
+        for group in processes:
+            group.shutdown()
+
+    def _isolated(self, name: str) -> CompileProcesses:
+        with self._lock:
+            if name not in self._processes:
+                self._processes[name] = CompileProcesses(self.factories[name], self.tokenizer,
+                                                         max_processes=self._pool._max_workers)
+            return self._processes[name]
 
     def _compile(self, name: str, spec: GrammarSpec) -> CompiledGrammar:
         began = time.perf_counter()
         try:
             backend = self.backend(name)
-            compiled = backend.compile(spec)
+            if backend.isolated_compiles:  # in a child process, ended if it overruns the timeout
+                compiled = self._isolated(name).compile(spec, self.timeout)
+            else:
+                compiled = backend.compile(spec)
         except GrammarError:
             raise
         except Exception as exc:  # a grammar engine's own error type: still the user's spec, named as such

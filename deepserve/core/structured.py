@@ -259,6 +259,10 @@ class GrammarBackend(ABC):
 
     #: the name it is registered under
     name: str = "abstract"
+    #: True: `compile` may run for unbounded time and cannot be interrupted, so the compiler runs it in child
+    #: processes (each builds this backend once with its factory) and ends one that overruns the timeout;
+    #: `compile`'s result must then pickle
+    isolated_compiles: bool = False
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

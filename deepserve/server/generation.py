@@ -25,7 +25,7 @@ from deepserve.server.http import open_sse, sse_message
 from deepserve.server.metrics import RequestTimer
 from deepserve.server.recipe import RESPONSES, Prepared
 from deepserve.server.state import ENGINE, METRICS, MODEL
-from deepserve.server.structured import compile_grammar, grammar_failure
+from deepserve.server.structured import client_of, compile_grammar, grammar_failure
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
 
@@ -34,7 +34,7 @@ async def serve_prepared(request: web.Request, prepared: Prepared) -> web.Stream
     spec = prepared.params.structured_outputs
     if spec is not None:
         try:
-            await compile_grammar(request.app[ENGINE].engine, spec, prepared.constraint_field)
+            await compile_grammar(request.app[ENGINE].engine, spec, prepared.constraint_field, client_of(request))
         except BaseException:
             prepared.processor.close()
             raise

@@ -31,15 +31,18 @@ token allowed) finishes the engine request with finish_reason "abort" and a `GRA
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from aiohttp import web
+
 from deepserve.core.outputs import CompletionOutput
-from deepserve.core.grammar_compiler import timeout_message
+from deepserve.core.grammar_compiler import GrammarBusy, timeout_message
 from deepserve.core.structured import GrammarError, GrammarSpec
-from deepserve.server.errors import ApiError
+from deepserve.server.errors import ApiError, presented_api_keys
 from deepserve.server.http import json_type
 
 try:  # where the engine defines it (deepserve.core.tracking today)
@@ -196,26 +199,40 @@ def after_thinking(spec: GrammarSpec, thinking_end_ids: Sequence[int], field: st
     return replace(spec, after_token=thinking_end_ids[0])
 
 
-async def compile_grammar(engine: Any, spec: GrammarSpec, field: str) -> None:
+def client_of(request: web.Request) -> str:
+    """Who sent a request, for per-client fairness: a digest of its API key, else its address."""
+    keys = presented_api_keys(request)
+    if keys:
+        return "key:" + hashlib.sha256(keys[0].encode()).hexdigest()[:16]
+    return f"addr:{request.remote}"
+
+
+async def compile_grammar(engine: Any, spec: GrammarSpec, field: str, client: str | None = None) -> None:
     """Compile `spec` on the compiler of `engine` (the `EngineCore`) before the request is admitted; 400 naming
     the problem when it cannot be (no grammar backend, an unknown backend, an invalid schema/regex/grammar, a
-    compile past the timeout)."""
+    compile past the timeout), 429 when `client` (`client_of`) already has its share of compiles in flight."""
     grammars = getattr(engine, "grammars", None)
     if grammars is None:
         raise ApiError(400, "structured output needs a grammar backend, and this server has none (the model has no "
                        "tokenizer.json, or no grammar backend plugin is installed)", param=field,
                        code="structured_outputs_unavailable")
     try:
-        waiter = asyncio.wrap_future(grammars.submit(spec))
+        waiter = asyncio.wrap_future(grammars.submit(spec, client))
         waiter.add_done_callback(_consume)  # a compile that outlives this request must not log its error unread
         # shield: neither a client that leaves nor the timeout may cancel a compile the cache shares
         await asyncio.wait_for(asyncio.shield(waiter), grammars.timeout)
     except TimeoutError:
+        grammars.forget(spec)  # the late result is not kept for a request that has failed
         raise ApiError(400, timeout_message(spec, grammars.timeout), param=field,
                        code="grammar_compile_timeout") from None
     except asyncio.CancelledError:
         raise
+    except GrammarBusy as exc:
+        raise ApiError(429, str(exc), param=field, code="too_many_grammar_compiles",
+                       headers={"Retry-After": "1"}) from None
     except GrammarError as exc:
+        if "grammar compile timeout" in str(exc):  # stopped in its compile process at the timeout
+            raise ApiError(400, str(exc), param=field, code="grammar_compile_timeout") from None
         raise ApiError(400, f"invalid structured output in '{field}': {exc}", param=field,
                        code="invalid_structured_output") from None
     except BaseException as exc:  # a grammar engine's own failure (a Rust panic included) on the user's spec

@@ -79,6 +79,9 @@ class OutlinesGrammar:
         self._terminal: dict[int, bool] = {}
         self._lock = threading.Lock()
 
+    def __reduce__(self):  # compiled in a child process, sent back by pickle (the index pickles; the lock does not)
+        return OutlinesGrammar, (self.index,)
+
     def is_terminal(self, state: int, eos: int) -> bool:
         with self._lock:
             known = self._terminal.get(state)
@@ -160,6 +163,7 @@ def _bit(token: int) -> int:
 
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
+    isolated_compiles = True  # an Index build grows with the regex and cannot be interrupted
 
     def __init__(self, tokenizer: TokenizerInfo) -> None:
         if not tokenizer.eos_token_ids:
