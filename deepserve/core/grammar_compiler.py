@@ -63,7 +63,8 @@ class GrammarCompiler:
         self.default_backend, self.timeout, self.cache_size = default_backend, float(timeout), cache_size
         self.max_per_client = max_workers
         # twice the threads one client may hold: another client always finds one free
-        self._pool = ThreadPoolExecutor(max_workers=2 * max_workers, thread_name_prefix="deepserve-grammar")
+        self._num_threads = 2 * max_workers
+        self._pool = ThreadPoolExecutor(max_workers=self._num_threads, thread_name_prefix="deepserve-grammar")
         self._processes: dict[str, CompileProcesses] = {}
         self._in_flight: dict[str, int] = {}  # client -> compiles of theirs not finished
         self._lock = threading.Lock()
@@ -191,7 +192,7 @@ class GrammarCompiler:
         with self._lock:
             if name not in self._processes:
                 self._processes[name] = CompileProcesses(self.factories[name], self.tokenizer,
-                                                         max_processes=self._pool._max_workers)
+                                                         max_processes=self._num_threads)
             return self._processes[name]
 
     def _compile(self, name: str, spec: GrammarSpec) -> CompiledGrammar:
