@@ -7,10 +7,10 @@
 #   bash bench/gpu_call.sh "kernels graphs trace" [bench/gpu.py options for the bench part...]
 #
 # kernels: the kernel tests of tests/gpu/test_kernels.py; graphs: the CUDA-graph tests; all_tests: every GPU test
-# (gpu_tests.log); sweep_gemv: bench/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at batch 1 and 64;
-# decode: bench/gpu.py --decode-only (transformers' rows reused from run 3); bench: the whole bench/gpu.py
-# (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf bench/results/
-# gpu_bench_run3.json. bench/gpu_all.sh is "all_tests bench".
+# (gpu_tests.log); sweep_gemv: bench/investigations/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at
+# batch 1 and 64; decode: bench/gpu.py --decode-only (transformers' rows reused from run 3); bench: the whole
+# bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
+# bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -22,7 +22,7 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-HF=bench/results/gpu_bench_run3.json
+HF=bench/results/gpu_bench_h200_transformers.json
 PARTS=$1
 shift
 BENCH_ARGS=("$@")
@@ -34,7 +34,7 @@ for part in $PARTS; do
         kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -15 ;;
         graphs) python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$OUT/graphs.log" | tail -15 ;;
         all_tests) python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-        sweep_gemv) python3 bench/kernel_sweep.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/sweep_gemv.log" | grep -v "^  " ;;
+        sweep_gemv) python3 bench/investigations/kernel_sweep.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/sweep_gemv.log" | grep -v "^  " ;;
         trace) python3 bench/decode_trace.py --batches 1,64 --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -30 ;;
         decode) python3 bench/gpu.py --reuse-hf $HF --decode-only --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 ;;
         bench) python3 bench/gpu.py --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;

@@ -121,7 +121,7 @@ def test_logged_outcomes_agree_with_the_acceptance_measurement(model, heldout_pr
 
 def test_shipped_head_beats_the_heuristic_on_unseen_text(model, heldout_prompts):
     """heldout.json's prompts come from files the head's training left out. Measured when the head was trained
-    (bench/train_confidence_tiny.json, its own evaluation files): log loss 0.33 against 1.13 for the raw top-1
+    (bench/results/train_confidence_tiny.json, its own evaluation files): log loss 0.33 against 1.13 for the raw top-1
     probability and 0.46 for it Platt-scaled, AUC 0.91 against 0.79. On these 16 prompts when it shipped: log loss
     0.32 against 1.00, AUC 0.93 against 0.73, mean prediction 0.66 for an acceptance rate of 0.62."""
     head = ConfidenceHead.from_model_dir(MODEL_DIR, model.cfg.hidden_size)

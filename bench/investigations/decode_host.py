@@ -1,6 +1,6 @@
 """Host cost of a decode step on the CPU: the batched zero-copy paged path against the forced general path.
 
-    OMP_NUM_THREADS=1 python bench/decode_host.py [--batches 1 16 64] [--steps 8] [--chunk 1] [--out FILE.json]
+    OMP_NUM_THREADS=1 python bench/investigations/decode_host.py [--batches 1 16 64] [--steps 8] [--chunk 1] [--out FILE.json]
 
 The demo model (random tiny V4: window 16, CSA ratio 4 with an indexer, HCA ratio 16, layers SW SW CSA HCA CSA
 HCA) over a paged cache; every sequence prefilled to a random context of 100-400 tokens (so blocks close on
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from deepserve.backends.reference import ReferenceBackend  # noqa: E402

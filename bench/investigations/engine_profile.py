@@ -1,8 +1,9 @@
 """Where an engine decode step's time goes on the GPU: `LLM.generate` on a checkpoint, with per-step timings.
 
-    python bench/engine_profile.py --model DIR [--num-seqs 64 --input-len 512 --output-len 128] [--enforce-eager]
-    python bench/engine_profile.py --synthetic [--model DIR]   # bench/gpu.py's V4-Flash-shape checkpoint, written
-                                                               # into DIR first unless it holds one (GPU)
+    python bench/investigations/engine_profile.py --model DIR [--num-seqs 64 --input-len 512 --output-len 128]
+        [--enforce-eager]
+    python bench/investigations/engine_profile.py --synthetic [--model DIR]
+        # bench/gpu.py's V4-Flash-shape checkpoint, written into DIR first unless it holds one (GPU)
 
 Times, per engine step: the runner's `execute` (wall, on the runner thread), the part of it in the model forward
 (`DecodeGraphs.forward` or the eager forward), the host gaps the engine records between device steps, and the
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,6 +1,6 @@
 """How the model's small host-to-device copies should be made: `batch.to_device` three ways, on the GPU.
 
-    python bench/h2d.py [--out DIR]
+    python bench/investigations/h2d.py [--out DIR]
 
 A forward sends a few dozen small index lists to the device (token ids, positions, block tables, the
 compressor's block lists). Four ways to send one, each measured while the device is busy with earlier work
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import V4_FLASH_LAYER, build, decode_steps, prefill_states, sync  # noqa: E402

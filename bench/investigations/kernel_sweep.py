@@ -1,6 +1,6 @@
 """Tile sweeps for the NVIDIA backend's two largest kernels, and where an 8K prefill copies tensors or waits.
 
-    python bench/kernel_sweep.py [--out DIR] [--only attention,moe,moe_small,mhc,rope,gemv,copies,syncs]
+    python bench/investigations/kernel_sweep.py [--out DIR] [--only attention,moe,moe_small,mhc,rope,gemv,copies,syncs]
     (default: all but moe_small and syncs)
 
 1. `sparse_mqa` (V4 attention) at the shapes the benchmark runs: prefill of 8K tokens on a CSA layer (window 128
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import events as gpu_events  # noqa: E402

@@ -12,7 +12,7 @@ that part from the L2. This measures it, in CUDA graphs, on weights rotated past
   loads, discarded), `line` (`prefetch.global.L2::evict_last` per 128-byte line), `bulk`
   (`cp.async.bulk.prefetch.L2.global`, 4 KB an instruction).
 
-    python bench/l2_prefetch.py [--out DIR]
+    python bench/investigations/l2_prefetch.py [--out DIR]
 
 Writes l2_prefetch.json into --out ($OUT when set).
 """
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.gpu import events  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Can the vendor kernels (DeepGEMM from `sgl-deep-gemm`) run on this machine, and how fast are they here?
 
-    python bench/vendor_probe.py [--out DIR] [--wheels DIR]
+    python bench/investigations/vendor_probe.py [--out DIR] [--wheels DIR]
 
 Prints what the machine has for them (nvcc, CUDA_HOME, the CUDA runtime libraries), then for each
 `sgl_deep_gemm` wheel in --wheels (default .whl/vendor; their dependencies in its deps/), in a process of its
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -54,7 +54,8 @@ def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.T
     would stall a host that launches the next step while the device computes this one; an asynchronous copy
     from ordinary (pageable) memory is staged by the driver before the call returns (so the host tensor may be
     dropped at once), but costs more host time. So: blocking when the stream is idle (nothing to wait for),
-    asynchronous when it is busy. bench/h2d.py on the H200 compares the ways (pinning first was the slowest)."""
+    asynchronous when it is busy. bench/investigations/h2d.py on the H200 compares the ways (pinning first was the
+    slowest)."""
     host = torch.as_tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
@@ -126,7 +127,7 @@ def check_states(batch: ForwardBatch, states: Sequence[SequenceState]) -> None:
 
 # The batched zero-copy path over the paged cache (decode, verify and prompt chunks) is taken whenever
 # `paged_step_pools` allows it; False forces the general per-sequence path everywhere (the tests and
-# bench/decode_host.py compare the two).
+# bench/investigations/decode_host.py compare the two).
 PAGED_DECODE = True
 
 

@@ -100,7 +100,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """LM head in fp32, as the official reference computes it. A backend that multiplies a low-precision
         head with fp32 accumulation and output (`Backend.linear_fp32`) reads it as it is; else it is upcast once
         and kept (re-made only if the weight changes): upcasting it every step cost more than the whole batch-1
-        decode floor on the H200 (bench/gpu_notes.md)."""
+        decode floor on the H200 (bench/investigations/gpu_notes.md)."""
         weight = self.lm_head.weight
         if weight.dtype != torch.float32 and not (torch.is_grad_enabled() and weight.requires_grad):
             direct = self.backend.linear_fp32(hidden, weight)  # fp32 out of the low-precision head, if it can

@@ -14,7 +14,7 @@
    early-stopped on a validation slice of the training prompts, and compared with the top-1-probability
    heuristic on outcomes of separate held-out files: log loss, AUC, Brier score, expected calibration error.
 
-    python -m deepserve.tools.train_confidence --record bench/train_confidence_tiny.json
+    python -m deepserve.tools.train_confidence --record bench/results/train_confidence_tiny.json
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 DeepGEMM (PyPI `sgl-deep-gemm`; the plain `deep-gemm` name is a placeholder) has Hopper grouped GEMMs over
 expert-sorted rows, JIT-compiled with the CUDA toolkit's nvcc on first use. deepserve takes its bf16
 `m_grouped_bf16_gemm_nt_contiguous` for the routed experts of long steps (prefill), where the Triton grouped
-kernels reach about half the matrix rate (bench/vendor_probe.py, H200 run 28: 808 TFLOP/s for an 8K prefill's
-gate/up against 406 for Triton's two GEMMs). Which builds load depends on the torch they were built against:
+kernels reach about half the matrix rate (bench/investigations/vendor_probe.py, H200 run 28: 808 TFLOP/s for an 8K
+prefill's gate/up against 406 for Triton's two GEMMs). Which builds load depends on the torch they were built against:
 on torch 2.11 + CUDA 13, sgl-deep-gemm 0.1.5 loads and runs; 0.2.0 loads but rejects the 1-D expert layout
 (its first call fails, and the backend drops it for the Triton kernels), 0.2.5 needs a newer libtorch, and 0.0.1 /
 0.1.0 have no bf16 grouped GEMM. A shape's first long step also JIT-compiles DeepGEMM's kernel for it.

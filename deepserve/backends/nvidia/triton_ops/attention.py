@@ -99,7 +99,8 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, pos_ptr, freq_ptr, H, half, strid
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
                out: torch.Tensor | None = None, tiles: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
-    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits): bench/kernel_sweep.py.
+    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits):
+    bench/investigations/kernel_sweep.py.
     `rope` (positions [T], inv_freq [half]): the output's last 2 * half dims turned back by each query's position
     (`Backend.sparse_attention_rope`) in fp32 before the one rounding, where a separate inverse RoPE read the
     rounded output back (a launch a layer)."""
@@ -117,7 +118,8 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     warps, stages = (8 if d >= 256 else 4), 2
     few_queries = False
     if d >= 256 and q.element_size() == 2:
-        # bench/kernel_sweep.py on the H200 (run 15), d = 512 bf16: 64 keys per block; all 64 heads in one program
+        # bench/investigations/kernel_sweep.py on the H200 (run 15), d = 512 bf16: 64 keys per block; all 64 heads in
+        # one program
         # once there are queries enough to fill the machine (each key row is read once per program, so a second
         # head block read every key twice: an 8K CSA prefill 8.3 -> 3.0 ms), 32 heads for decode-sized steps
         block_n = 64

@@ -69,7 +69,8 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, M, d, half, stride_pos, s
                  BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """BLOCK_T tokens x BLOCK_M of their M rows, rotating the last 2 * half dims of each row in interleaved pairs:
     each row's rotated dims load as one contiguous run, split into even and odd halves in registers (two strided
-    loads of the halves ran an 8K prefill's query rotation 6x slower: bench/kernel_sweep.py, runs 20 and 21)."""
+    loads of the halves ran an 8K prefill's query rotation 6x slower: bench/investigations/kernel_sweep.py, runs 20 and
+    21)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok_tm = (t < T)[:, None, None] & (m < M)[None, :, None]
@@ -104,8 +105,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """x [T, ..., d]; rotates the last 2 * len(inv_freq) dims of every row by its token's position. `inplace`:
     rotate x itself (when its rows are views it can write) and touch only those dims: an 8K prefill's queries
     are 537 MB, of which the rotated dims are an eighth. A program takes up to 64 rows of one token, its cosines
-    formed once for them (bench/kernel_sweep.py, run 21 on the H200: an 8K prefill's queries 0.51 -> 0.08 ms, its
-    keys 0.077 -> 0.046 ms). `tiles` (the sweep): block_t (tokens a program), block_m, num_warps."""
+    formed once for them (bench/investigations/kernel_sweep.py, run 21 on the H200: an 8K prefill's queries 0.51 ->
+    0.08 ms, its keys 0.077 -> 0.046 ms). `tiles` (the sweep): block_t (tokens a program), block_m, num_warps."""
     T, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
     x3 = x.reshape(T, -1, d)
     if x3.stride(-1) != 1:

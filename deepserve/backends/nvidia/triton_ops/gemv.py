@@ -2,8 +2,8 @@
 
 At one to four rows a projection is a matrix-vector product: its time is the weight's bytes over the memory
 bandwidth, and nothing else. cuBLAS picks tiles made for wider products at these shapes and (for the long-K
-ones) a split-K pass with a second reduction kernel: 2.0-3.7 TB/s on the H200 (bench/kernel_sweep.py, run 22).
-Here a program owns BLOCK_N output columns and one chunk of the K dimension, its weight tiles streamed through
+ones) a split-K pass with a second reduction kernel: 2.0-3.7 TB/s on the H200 (bench/investigations/kernel_sweep.py,
+run 22). Here a program owns BLOCK_N output columns and one chunk of the K dimension, its weight tiles streamed through
 shared memory by Triton's pipelined loads (`num_stages`), the few rows padded to the 16 a tensor-core dot needs.
 A grouped projection (`grouped_linear`: x [T, G, K], w [G, N, K]) is the same with a group per grid row.
 
@@ -75,8 +75,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, norm_ptr, M, N, K, 
 
 
 def _tiles(N: int, K: int, G: int, tiles: dict | None) -> dict:
-    """BLOCK_N, BLOCK_K, warps, stages and the K split. Tiles from bench/kernel_sweep.py (run 22 on the H200: 32
-    columns, 256-deep K tiles, two warps came within a few percent of each shape's best; q_b's 32768 x 1024
+    """BLOCK_N, BLOCK_K, warps, stages and the K split. Tiles from bench/investigations/kernel_sweep.py (run 22 on the
+    H200: 32 columns, 256-deep K tiles, two warps came within a few percent of each shape's best; q_b's 32768 x 1024
     wanted 64 x 128, o_b's 4096 x 8192 six stages). The split only where the column blocks number fewer than
     the multiprocessors (K <= 4096): chunks of K until there are about two programs per multiprocessor, each at
     least two K tiles deep. In the batch-1 step (bench/decode_trace.py, run 34) it took a window layer's input

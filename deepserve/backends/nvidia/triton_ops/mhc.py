@@ -177,12 +177,12 @@ def hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, out=None, split=No
     """streams [T, n, D], fn [(2 + n) * n, n * D] fp32 -> the op's (collapsed [T, D], post [T, n], comb [T, n, n]).
     The mix (the flattened streams through `fn`, in fp32): partial sums over column chunks in one kernel
     (`_hc_mix_kernel`), summed by `_hc_pre_kernel`. bf16 streams take the three-term bf16 split of fn on tensor
-    cores at every T (bench/gpu_notes.md, runs 10, 11, 15 and 16: FMA products cost an 8K prefill 28 ms, cuBLAS's
-    fp32 GEMM and the cast of the streams to fp32 8 ms, and a decode step's mix 17.5 us against 9.6); fp32/fp16
+    cores at every T (bench/investigations/gpu_notes.md, runs 10, 11, 15 and 16: FMA products cost an 8K prefill 28 ms,
+    cuBLAS's fp32 GEMM and the cast of the streams to fp32 8 ms, and a decode step's mix 17.5 us against 9.6); fp32/fp16
     streams take fp32 FMA products up to `SMALL_MIX_TOKENS` tokens, cuBLAS above. Then one to four programs per
     token divide the mix by the streams' RMS, project, and collapse a share of the columns each. `tiles`
-    (bench/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the collapse),
-    num_warps (of the collapse). `norm` (weight [D], eps): the collapsed rows RMS-normed in the collapse's
+    (bench/investigations/kernel_sweep.py): parts (column chunks of the mix), d_parts (programs per token of the
+    collapse), num_warps (of the collapse). `norm` (weight [D], eps): the collapsed rows RMS-normed in the collapse's
     launch (`Backend.hc_pre_norm`), each token's row in one program. `mix`: the mix's partial sums as
     `hc_post_mix` left them (`MixParts`), when it made the streams; else (or if they are not for `fn`) the mix
     is computed here.
@@ -220,7 +220,8 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
         return x, post, comb
     K, nout = n * D, fn.shape[0]
     block_o = _mix_width(nout)
-    if split is None:  # the split at every T (bench/kernel_sweep.py, run 16: 9.6 us against 17.5 at one token)
+    if split is None:  # the split at every T (bench/investigations/kernel_sweep.py, run 16: 9.6 us against 17.5 at one
+        # token)
         split = True
     split = split and streams.dtype == torch.bfloat16
     if mix is not None and mix.fn is weight and mix.parts.shape[1:] == (T, block_o):  # `hc_post_mix` made it
@@ -229,8 +230,8 @@ def _mix_and_collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, out, sp
     elif T <= SMALL_MIX_TOKENS or split:
         block_t, block_k = (64, 64) if split else (16, 64)
         t_blocks = triton.cdiv(T, block_t)
-        # bench/kernel_sweep.py (run 21, H200): 128 chunks of two column blocks at decode sizes (one token 10 -> 7.5
-        # us with the collapse below), 8 at an 8K prefill (0.188 -> 0.175 ms)
+        # bench/investigations/kernel_sweep.py (run 21, H200): 128 chunks of two column blocks at decode sizes (one
+        # token 10 -> 7.5 us with the collapse below), 8 at an 8K prefill (0.188 -> 0.175 ms)
         parts = 128 if T <= 128 else 8
         while parts > 1 and K // parts < 2 * block_k:
             parts //= 2

@@ -176,7 +176,8 @@ SMALL_ALIGN_PAIRS = 2048
 
 def _block_m(num_pairs: int) -> int:
     """Rows per block by pairs per step: a decode step has about pairs / experts rows per expert. Long prefills
-    take 128-row blocks (an 8K prefill's expert GEMMs 6.8 -> 5.7 ms a layer: bench/kernel_sweep.py, run 15)."""
+    take 128-row blocks (an 8K prefill's expert GEMMs 6.8 -> 5.7 ms a layer: bench/investigations/kernel_sweep.py, run
+    15)."""
     return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else 128
 
 
@@ -185,7 +186,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 tiles: dict | None = None) -> torch.Tensor:
     """x [T, D], topk_ids/topk_weights [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D] in x.dtype.
     `tiles` fixes the tiles instead of the autotuner's pick (block_m, and BLOCK_N, BLOCK_K, num_warps,
-    num_stages for both GEMMs): bench/kernel_sweep.py."""
+    num_stages for both GEMMs): bench/investigations/kernel_sweep.py."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -350,11 +351,11 @@ def moe_small(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     tokens that share an expert read it twice: past one token the grouped kernels, which read each chosen expert
     once, move fewer bytes. `counters`: at least T * cdiv(D, down_n) int32 on x's device, zero, owned by
     the caller (a call leaves them zero; calls sharing them must not overlap in time, as on one stream).
-    `tiles`: gate_up_n, gate_up_k, down_n, down_k, num_warps, num_stages (bench/kernel_sweep.py)."""
+    `tiles`: gate_up_n, gate_up_k, down_n, down_k, num_warps, num_stages (bench/investigations/kernel_sweep.py)."""
     T, D = x.shape
     K = topk_ids.shape[1]
     I = w2.shape[2]
-    # bench/kernel_sweep.py --only moe_small (run 30, H200, in CUDA graphs): 88 us, 3.99 TB/s of weights
+    # bench/investigations/kernel_sweep.py --only moe_small (run 30, H200, in CUDA graphs): 88 us, 3.99 TB/s of weights
     t = {"gate_up_n": 32, "gate_up_k": 256, "down_n": 32, "down_k": 128, "num_warps": 2, "num_stages": 3}
     t.update(tiles or {})
     x, ids = x.contiguous(), topk_ids.contiguous()
