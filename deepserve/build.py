@@ -85,14 +85,14 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
     proposer = _proposer(pm, config, model)
 
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
-    with_mtp = proposer is not None
-    page_bytes = bytes_per_page(model, block_size, model.lm_head.weight.dtype, with_mtp)
+    owners = model.default_state_owners + (tuple(proposer.state_owners) if proposer is not None else ())
+    page_bytes = bytes_per_page(model, block_size, model.lm_head.weight.dtype, owners)
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else \
         _default_budget(backend, config.gpu_memory_utilization)
     num_pages = min(pages_for_budget(budget, page_bytes), max_num_seqs * math.ceil(max_model_len / block_size))
     kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
     # the scratch region holds a step's new rows, so that prompt chunks take the batched path as well
-    cache = PagedKVCache(model, num_pages, block_size, max_num_seqs, with_mtp=with_mtp,
+    cache = PagedKVCache(model, num_pages, block_size, max_num_seqs, owners=owners,
                          max_step_tokens=max(config.max_num_batched_tokens, 16 * max_num_seqs))
     logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_pages, block_size, num_pages * block_size)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))

@@ -113,7 +113,7 @@ def test_prefix_hits_preemption_and_aborts(demo_dir, embedded_pair):
     assert_everything_free(spec)
 
     # pages for 5 requests of ~115 tokens growing past a page: preemption by recompute, drafts and all
-    page = bytes_per_page(spec.model, 128, torch.float32, with_mtp=True)
+    page = bytes_per_page(spec.model, 128, torch.float32, ("layers", "mtp_layers"))
     crowd = [(rng.randint(0, 3), [rng.randrange(2, vocab) for _ in range(rng.randint(100, 120))],
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for _ in range(7)]
     ref_tokens = tokens_of(serve(plain, crowd))
@@ -186,7 +186,7 @@ def test_config_sources(demo_dir, monkeypatch):
     llm = make_llm(demo_dir)
     assert llm.config.speculative_config == SpeculativeConfig("mtp", 2)
     assert llm.engine.num_speculative_tokens == 2 and llm.engine.async_scheduling
-    assert llm.cache.mtp_layers  # the drafter's window lives in the paged cache
+    assert llm.cache.pools["mtp_layers"]  # the drafter's window lives in the paged cache
 
 
 def test_cli_option_reaches_the_engine():

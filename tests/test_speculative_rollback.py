@@ -73,7 +73,7 @@ def test_rollback_to_every_length_equals_never_computing_the_rest(model, prompt_
 
 @torch.inference_mode()
 def test_rollback_in_the_paged_cache(model):
-    cache = PagedKVCache(model, num_pages=8, page_size=64, num_slots=2, with_mtp=True)
+    cache = PagedKVCache(model, num_pages=8, page_size=64, num_slots=2, owners=("layers", "mtp_layers"))
     ids = tokens(3, 80)
     table_a, table_b = [0, 1], [2, 3]
     spec, slot_a = cache.new_sequence(table_a)

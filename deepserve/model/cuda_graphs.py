@@ -85,7 +85,7 @@ class DecodeGraphs:
         self.page_buckets = page_buckets(max_pages)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None  # the graphs' shared memory pool, made at the first capture
-        main, _ = model.state_specs()
+        main = model.state_owners()[model.main_state_owner]
         # (layer, stream attribute, ratio) of every compressed stream: the row counts the host advances
         self._streams = [(i, name, s.ratio) for i, spec in enumerate(main)
                          for name, s in (("compressor", spec.compressor), ("indexer", spec.indexer)) if s is not None]

@@ -23,7 +23,7 @@ from .decoder import DecoderLayer
 from .mhc import HyperHead
 from .moe import SharedExpert
 from .mtp import MTPBlock
-from .state import LayerStateSpec, SequenceState, contiguous_state
+from .state import AttentionState, LayerStateSpec, SequenceState, contiguous_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +82,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
         self._head_fp32: tuple[tuple, torch.Tensor] | None = None  # (weight identity, fp32 copy), see `logits`
 
-    def state_specs(self) -> tuple[list[LayerStateSpec], list[LayerStateSpec]]:
-        """What every main layer and every MTP block keeps per sequence (for the KV cache to allocate)."""
-        return [layer.state_spec() for layer in self.model.layers], [block.state_spec() for block in self.mtp]
+    #: the state owners' names, as `SequenceState` holds them: the backbone, and the MTP blocks (the drafter's)
+    main_state_owner = "layers"
+    default_state_owners = ("layers",)
+
+    def state_owners(self) -> dict[str, list[LayerStateSpec]]:
+        """What each state owner keeps per sequence, one spec per layer (for a cache to allocate): the backbone
+        layers (`layers`) and the MTP blocks (`mtp_layers`, allocated when a proposer drafts with them)."""
+        return {"layers": [layer.state_spec() for layer in self.model.layers],
+                "mtp_layers": [block.state_spec() for block in self.mtp]}
+
+    def sequence_state(self, states: dict[str, list[AttentionState]], num_tokens: int = 0) -> SequenceState:
+        """One sequence's `SequenceState` from its owners' layer states, every owner at `num_tokens`."""
+        return SequenceState(layers=states["layers"], mtp_layers=states.get("mtp_layers", []),
+                             num_tokens=num_tokens, mtp_num_tokens=num_tokens)
 
     def make_state(self, dtype: torch.dtype | None = None, device=None) -> SequenceState:
-        """A fresh self-contained state for one sequence (contiguous storage, no paging)."""
+        """A fresh self-contained state for one sequence (contiguous storage, no paging), every owner's."""
         dtype = dtype or self.lm_head.weight.dtype
         device = device or self.lm_head.weight.device
-        main, mtp = self.state_specs()
-        return SequenceState(
-            layers=[contiguous_state(spec, dtype, device) for spec in main],
-            mtp_layers=[contiguous_state(spec, dtype, device) for spec in mtp],
-        )
+        return self.sequence_state({owner: [contiguous_state(spec, dtype, device) for spec in specs]
+                                    for owner, specs in self.state_owners().items()})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in fp32, as the official reference computes it. A backend that multiplies a low-precision

@@ -12,8 +12,10 @@ forward pass crosses a page boundary, each layer copies its window tail and over
 the page's snapshot slot, and a prefix hit at B restores them from the last hit page. The open compression
 blocks are empty at a page boundary because the page size is a multiple of every compression ratio.
 
-With speculative decoding (`with_mtp`), the MTP blocks' window rings get slots and page snapshots the same way
-(they are window-only layers), so a prefix hit restores the drafter's state too.
+Storage follows the model's declared state owners (`model.state_owners()`): with speculative decoding the
+drafter's owner (V4: the MTP blocks, `mtp_layers`) is allocated too, and its window rings get slots and page
+snapshots the same way (they are window-only layers), so a prefix hit restores the drafter's state too. The
+cache knows no owner by name: the model builds each sequence's `SequenceState` from the owners' states.
 
 Beyond the `num_slots` slots and `num_pages` pages it hands out, the cache keeps one *padding slot* and one
 *trash page*: a fixed-shape decode step (`deepserve.model.cuda_graphs`) runs its padding rows on the padding slot
@@ -24,6 +26,7 @@ the trash page, so no real row is touched.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -139,13 +142,23 @@ class _LayerPools:
                 comp.prev_gate.copy_(comp.snap_prev_gate[page])
 
 
-def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype, with_mtp: bool = False) -> int:
-    """Device bytes one page costs: every layer's rows for P tokens plus the page's boundary snapshot (and the
-    MTP blocks' window snapshot when `with_mtp`)."""
+def owned_specs(model: DeepseekV4ForCausalLM, owners: Sequence[str] | None) -> dict[str, list[LayerStateSpec]]:
+    """The state the model declares (`model.state_owners()`: owner -> its layers' specs), narrowed to `owners`
+    (None: the model's `default_state_owners`). An owner the model does not declare is an error naming both."""
+    declared = model.state_owners()
+    owners = model.default_state_owners if owners is None else tuple(owners)
+    unknown = [o for o in owners if o not in declared]
+    if unknown:
+        raise ValueError(f"the model declares no state owner {unknown}; it declares {sorted(declared)}")
+    return {o: declared[o] for o in owners}
+
+
+def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype,
+                   owners: Sequence[str] | None = None) -> int:
+    """Device bytes one page costs: every allocated layer's rows for P tokens plus the page's boundary snapshot."""
     item = torch.tensor([], dtype=dtype).element_size()
     total = 0
-    main, mtp = model.state_specs()
-    for spec in main + (mtp if with_mtp else []):
+    for spec in (spec for specs in owned_specs(model, owners).values() for spec in specs):
         total += spec.window * spec.width * item
         for s in spec.streams():
             total += (page_size // s.ratio) * s.dim * item + (2 * s.ratio * s.dim * 4 if s.overlap else 0)
@@ -156,13 +169,16 @@ class PagedKVCache:
     """Pools for `num_pages` pages of `page_size` tokens and `num_slots` concurrent sequences."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype | None = None, device=None, with_mtp: bool = False,
+                 dtype: torch.dtype | None = None, device=None, owners: Sequence[str] | None = None,
                  max_step_tokens: int | None = None) -> None:
-        """`max_step_tokens`: the most new tokens a step may bring for the batched path (each layer keeps a
-        scratch region of that many rows for them); default 16 per slot (a decode token plus 15 drafts); `LLM`
-        passes its `max_num_batched_tokens` so that prompt chunks fit too. Larger steps take the general path."""
-        main, mtp = model.state_specs()
-        for spec in main:
+        """`owners`: which of the model's declared state owners get storage (`model.state_owners()`; None: the
+        model's defaults; a speculative proposer adds the drafter's). `max_step_tokens`: the most new tokens a
+        step may bring for the batched path (each layer keeps a scratch region of that many rows for them);
+        default 16 per slot (a decode token plus 15 drafts); `build_engine` passes `max_num_batched_tokens` so
+        that prompt chunks fit too. Larger steps take the general path."""
+        self.model = model
+        specs = owned_specs(model, owners)
+        for spec in (spec for owned in specs.values() for spec in owned):
             if spec.window > page_size:
                 raise ValueError(f"page_size {page_size} must be at least the sliding window {spec.window}")
             for s in spec.streams():
@@ -173,12 +189,16 @@ class PagedKVCache:
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.pad_slot, self.trash_page = num_slots, num_pages  # one of each past the ones handed out
         scratch = 16 * num_slots if max_step_tokens is None else max_step_tokens
-        self.layers = [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch) for s in main]
-        self.mtp_layers = [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch)
-                           for s in (mtp if with_mtp else [])]
+        self.pools = {owner: [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch)
+                              for s in owned] for owner, owned in specs.items()}
         self._free_slots = list(range(num_slots - 1, -1, -1))
         logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,
-                    num_pages * bytes_per_page(model, page_size, dtype, with_mtp) / 2**20, num_slots)
+                    num_pages * bytes_per_page(model, page_size, dtype, tuple(specs)) / 2**20, num_slots)
+
+    @property
+    def layers(self) -> list[_LayerPools]:
+        """The pools of the model's main layers (the owner the batched decode path and CUDA graphs index)."""
+        return self.pools.get(self.model.main_state_owner, [])
 
     @property
     def num_free_slots(self) -> int:
@@ -192,14 +212,13 @@ class PagedKVCache:
         if num_cached_tokens % self.page_size:
             raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
         slot = self._free_slots.pop()
-        layers = [pools.state(slot, table, num_cached_tokens) for pools in self.layers]
-        mtp_layers = [pools.state(slot, table, num_cached_tokens) for pools in self.mtp_layers]
+        states = {owner: [p.state(slot, table, num_cached_tokens) for p in pools] for owner, pools in self.pools.items()}
         if num_cached_tokens:
             page = table[num_cached_tokens // self.page_size - 1]
-            for pools, st in zip(self.layers + self.mtp_layers, layers + mtp_layers):
-                pools.restore(st, page, num_cached_tokens)
-        return SequenceState(layers=layers, mtp_layers=mtp_layers, num_tokens=num_cached_tokens,
-                             mtp_num_tokens=num_cached_tokens), slot
+            for owner, pools in self.pools.items():
+                for p, st in zip(pools, states[owner]):
+                    p.restore(st, page, num_cached_tokens)
+        return self.model.sequence_state(states, num_cached_tokens), slot
 
     def free_sequence(self, slot: int) -> None:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:

@@ -100,8 +100,9 @@ class Drafts:
 class Proposer(ABC):
     """Drafts speculative tokens on the device after each target step (what a `deepserve_register_proposers`
     factory builds). The model runner calls `propose` once per step, after verification and rollback, on the
-    runner thread; the proposer keeps its per-sequence state inside each `SequenceState` (for MTP, the
-    `mtp_layers` that the paged cache allocates), so the runner frees it with the sequence.
+    runner thread; the proposer keeps its per-sequence state inside each `SequenceState`, in the model's state
+    owners it names in `state_owners` (for MTP, `mtp_layers`), which the paged cache then allocates beside the
+    backbone's, so the runner frees it with the sequence.
 
     `planner`: the host-side verify planner (None for fixed-k), which the engine uses to trim each sequence's
     drafts before the next step; it has `plan(confidences) -> lengths` and `observe(num_tokens, seconds)`.
@@ -109,6 +110,8 @@ class Proposer(ABC):
 
     num_speculative_tokens: int
     planner: Any = None
+    #: the model's state owners this proposer drafts with (`model.state_owners()` names them)
+    state_owners: tuple[str, ...] = ()
 
     @abstractmethod
     def propose(self, streams: torch.Tensor, chunks: list[DraftChunk], sampling: "RowSampling") -> Drafts | None:

@@ -26,6 +26,7 @@ from deepserve.model.verify import DRAFT_SALT, target_probs
 
 
 class MTPProposer(Proposer):
+    state_owners = ("mtp_layers",)  # the MTP blocks' window rings
     def __init__(self, model: DeepseekV4ForCausalLM, num_speculative_tokens: int, confidence_head=None,
                  planner=None, with_confidences: bool = False) -> None:
         if not model.mtp:
