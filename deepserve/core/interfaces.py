@@ -1,6 +1,8 @@
 """The seams between the engine and the code that touches tensors.
 
-`Backend` is the set of numerical ops the DeepSeek-V4 model needs. The model in `deepserve.model` is written
+`Backend` is the set of numerical ops the DeepSeek-V4 model needs: the maths ops below, which every accelerator
+implements to be correct, and the optional and composed ops of `deepserve.core.fused_ops.FusedOps`, which have
+defaults and which a backend overrides only to be faster. The model in `deepserve.model` is written
 once against this interface; `deepserve.backends.reference` implements it in plain PyTorch (CPU or CUDA, the
 numerical oracle), and accelerator backends override the ops they have kernels for. A backend is chosen at
 start-up by the `deepserve_select_backend` hook; nothing looks it up per step.
@@ -17,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepserve.core.fused_ops import FusedOps, VisibleRows
 from deepserve.core.outputs import PositionLogprobs
 from deepserve.core.sampling_params import SamplingParams
 
@@ -28,19 +31,9 @@ class BackendUnavailable(RuntimeError):
     """The requested accelerator backend cannot run here; the message says what is missing."""
 
 
-@dataclass(frozen=True, slots=True)
-class VisibleRows:
-    """A query's compressed index list given by its rule rather than its entries: the query at position p sees
-    its sequence's compressed rows 0, 1, ..., (p + 1) // ratio - 1 in that order, in `width` columns (-1 past
-    its own). What a fixed-shape decode step's compressor gives the attention when nothing is chosen among the
-    rows (HCA layers; CSA layers while the indexer's top-k holds every row), so that a backend's key-row kernel
-    can form the list itself (`Backend.decode_key_rows`) instead of reading one made by a few small launches."""
-
-    ratio: int
-    width: int
 
 
-class Backend(ABC):
+class Backend(FusedOps, ABC):
     """Numerical ops of the V4 forward pass for one accelerator.
 
     Shapes use T = tokens in the flattened batch (no padding anywhere), H = query heads, d = head dim,
@@ -86,45 +79,12 @@ class Backend(ABC):
         caller no longer needs `x`, so the backend may rotate it in place and return it (or return a new tensor).
         """
 
-    def rms_norm_rope(
-        self, x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor
-    ) -> Tensor:
-        """`rms_norm(x, weight, eps)` then RoPE (`apply_rope`) on the result: a backend may do both in one launch.
-        Returns a new tensor."""
-        return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
-
-    def qk_norm_rope(
-        self, q: Tensor, kv: Tensor, kv_weight: Tensor, eps: float, positions: Tensor, inv_freq: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """`rms_norm_rope` of the queries q [T, H, d] (no weight) and of the key kv [T, d] (with `kv_weight`):
-        (q, kv), new tensors. One op, so that a backend can do both in one launch; the default is the two ops."""
-        return (self.rms_norm_rope(q, None, eps, positions, inv_freq),
-                self.rms_norm_rope(kv, kv_weight, eps, positions, inv_freq))
-
     @abstractmethod
     def hc_pre(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """mHC input side: from the residual streams [T, n, D] compute `pre`, `post` and the Sinkhorn-projected
         `comb`, and collapse the streams with `pre`. Returns (collapsed [T, D], post [T, n], comb [T, n, n])."""
-
-    def hc_pre_norm(
-        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float, mix: object | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """`hc_pre`, then the block's input RMSNorm (`rms_norm(collapsed, weight, eps)`): (normed [T, D], post,
-        comb). One op, so that a backend can norm the collapsed rows before storing them; the default is the
-        two ops. `mix`: what this backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
-        x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
-        return self.rms_norm(x, weight, eps), post, comb
-
-    def hc_post_mix(
-        self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, next_fn: Tensor
-    ) -> tuple[Tensor, object | None]:
-        """`hc_post`, and a start on the next mHC site's mix (whose weights are `next_fn`) from the new streams
-        while they are at hand: (new streams, a value only this backend's `hc_pre_norm` reads as its `mix`, or
-        None). The default is `hc_post` and None."""
-        return self.hc_post(streams, block_out, post, comb), None
 
     @abstractmethod
     def hc_post(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
@@ -134,15 +94,6 @@ class Backend(ABC):
     def hc_head(self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
         """Final stream collapse (sigmoid weights, no Sinkhorn). Returns [T, D]."""
 
-    def hc_head_norm(
-        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float, mix: object | None = None,
-    ) -> Tensor:
-        """`hc_head`, then the model's final RMSNorm (`rms_norm(collapsed, weight, eps)`). One op, so that a
-        backend can norm the collapsed rows before storing them; the default is the two ops. `mix`: what this
-        backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
-        return self.rms_norm(self.hc_head(streams, fn, base, scale, hc_eps, norm_eps), weight, eps)
-
     @abstractmethod
     def sparse_attention(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float) -> Tensor:
         """MQA over an index list: query t, head h attends to rows `kv[indices[t, :]]` (K = V), entries < 0
@@ -150,14 +101,6 @@ class Backend(ABC):
 
         q [T, H, d], kv [N, d], indices [T, K] int64, sinks [H] fp32. Returns [T, H, d] in `q.dtype`.
         """
-
-    def sparse_attention_rope(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float,
-                              positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """`sparse_attention`, then its output's rotary dims turned back by each query's position (V4 rotates
-        the attention output by the inverse RoPE before the output projection). One op, so that a backend can
-        turn the output before storing it; the default is the two ops."""
-        out = self.sparse_attention(q, kv, indices, sinks, scale)
-        return self.apply_rope(out, positions, inv_freq, inverse=True, inplace=True)
 
     @abstractmethod
     def indexer_topk(
@@ -175,101 +118,6 @@ class Backend(ABC):
     def softmax_pool(self, values: Tensor, gates: Tensor) -> Tensor:
         """A compressor's pooling: `sum_s values[b, s] * softmax_s(gates[b, s])`, per channel, over the block's
         slots s. values, gates [B, S, d] (a gate of -inf drops its slot). Returns [B, d] fp32."""
-
-    def rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
-        """`linear(rms_norm(x, norm_weight, eps), weight)`, the normed rows not kept. One op, so that a backend
-        can norm the rows as its projection reads them; the default is the two ops."""
-        return self.linear(self.rms_norm(x, norm_weight, eps), weight)
-
-    def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
-        """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
-        fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)
-        when the backend cannot; the model then multiplies fp32 copies."""
-        return None
-
-    def route(self, logits: Tensor, bias: Tensor | None, hash_ids: Tensor | None, top_k: int, scale: float):
-        """Optional fused MoE routing from the router's fp32 logits [T, E]: scores `sqrt(softplus(logits))`; the
-        experts are `hash_ids` [T, k] when given (hash layers), else the top-k of `scores + bias` (the bias steers
-        selection only); their weights are the scores, normalised to sum 1 (+1e-20) and times `scale`. Returns
-        (ids [T, k] int64, weights [T, k] fp32), or None (the default) when the backend has no kernel for it."""
-        return None
-
-    def route_hidden(self, x: Tensor, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
-                     token_ids: Tensor, top_k: int, scale: float):
-        """Optional fused op: the router's logits `linear_fp32(x, weight)` and `route` on them in one, where hash
-        layers give their table `tid2eid` [vocab, k] and the step's `token_ids` [T] instead of `hash_ids`.
-        Returns (ids, weights) as `route` does, or None (the default) when the backend has no kernel for it."""
-        return None
-
-    def moe_with_shared(
-        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, limit: float,
-        shared_w13: Tensor, shared_w2: Tensor,
-    ) -> Tensor | None:
-        """Optional fused op: `moe_experts(x, topk_ids, topk_weights, w13, w2, limit)` plus the shared expert
-        (`shared_w13` [2I, D]: gate rows then up rows; `shared_w2` [D, I]; the same clamped SwiGLU, weight 1) as
-        one [T, D] sum. None (the default) when the backend has no kernel for these shapes; the model then runs
-        the routed and the shared experts apart and adds them."""
-        return None
-
-    def compress_decode(
-        self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
-        open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,
-        norm_weight: Tensor, inv_freq: Tensor, eps: float,
-    ) -> bool:
-        """Optional fused op: one decode token per row into one compressed stream, in place. Row b's token (at
-        `positions[b]`, in slot `slot[b]`, block table `tables[b]`) has raw projections `kv[b]`, `gate[b]`
-        ([B, F]); its gate gets `position_bias[position % ratio]`. A token that does not close its block is
-        stored in `open_kv/open_gate[slot, position % ratio]`; one that closes it pools the block (with
-        `prev_kv/prev_gate`, the previous block's Ca halves, when given: CSA overlap) by a per-channel softmax over
-        the slots, RMS-norms it with `norm_weight`, rotates it at the block's first position with `inv_freq`,
-        writes it to `rows[page, row % rpp]` and (overlap) leaves this block's Ca halves in `prev_*`. Exactly
-        `deepserve.model.compressor._Pooler.emit_static`'s effect. Returns False (the default: nothing done) when
-        the backend has no kernel for it; the model then runs its own torch ops."""
-        return False
-
-    def paged_key_rows(
-        self, positions: Tensor, chunk_start: Tensor, chunk_offset: Tensor, slot: Tensor, tables: Tensor,
-        compressed: Tensor | None, window: int, rows_per_page: int, comp_base: int, scratch_base: int,
-    ) -> Tensor | None:
-        """Optional fused op: the storage rows each query of a decode or verify step attends to, [T, W + K] int64
-        (`deepserve.model.attention.Attention._paged_key_pool`): its W window keys (position p before its chunk
-        at `slot * W + p % W`, its chunk's rows at `scratch_base + chunk_offset + p - chunk_start`, -1 before 0),
-        then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
-        rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""
-        return None
-
-    def decode_key_rows(
-        self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
-        compressed: Tensor | VisibleRows | None, window: int, rows_per_page: int, comp_base: int,
-    ) -> Tensor | None:
-        """Optional fused op for a step of one new token per row (a fixed-shape decode step): row t of kv [T, d]
-        into its sequence's window ring (storage row `slot[t] * window + positions[t] % window`, which held a
-        position no query of the step can see), then `paged_key_rows` for it, every window key now in the ring:
-        [T, W + K] int64, the W window keys of position p at `slot * W + q % W` for q in (p - W, p] (-1 before
-        0), then the K compressed rows (`compressed` [T, K] with -1 = none, or their rule, `VisibleRows`) at
-        `comp_base + tables[t, r // rpp] * rpp + r % rpp`. positions and slot are [T]. None (the default) when
-        the backend has no kernel: the model then writes the step's rows to the scratch region, forms the list
-        with `paged_key_rows` or torch, and writes the rings after the attention."""
-        return None
-
-    def paged_window_write(self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, window: int) -> bool:
-        """Optional fused op: row t of kv [T, d] into its sequence's window ring, storage row `slot[t] * window +
-        positions[t] % window` (the caller's rows name distinct ring slots). False (the default) when the backend
-        has no kernel for it; the caller then scatters with torch."""
-        return False
-
-    #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
-    #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented
-    cuda_graphs: bool = False
-
-    def indexer_topk_paged(
-        self, q: Tensor, weights: Tensor, pages: Tensor, tables: Tensor, key_count: Tensor, topk: int
-    ) -> Tensor:
-        """`indexer_topk` over keys kept in pages, for fixed-shape decode steps: query t's key r is
-        `pages[tables[t, r // rpp], r % rpp]` (pages [num_pages, rpp, Di], tables [T, P] int64) for r <
-        `key_count[t]`. Returns [T, topk] int64 key numbers r (not rows of `pages`), ascending, -1 unused. Its
-        shapes depend on T, P and rpp only. Optional: a backend without it decodes without fixed-shape steps."""
-        raise NotImplementedError(f"the {self.name} backend has no paged indexer (indexer_topk_paged)")
 
     @abstractmethod
     def router_scores(self, logits: Tensor) -> Tensor:

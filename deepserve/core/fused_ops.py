@@ -1,0 +1,180 @@
+"""The optional and composed ops of a `Backend`: what a backend may implement to go faster, never what it must
+implement to be correct.
+
+`deepserve.core.interfaces.Backend` holds the maths ops every accelerator implements (GEMMs, norms, RoPE, the
+mHC sites, sparse attention, the indexer, the compressor's pooling, the MoE, sampling). The ops here have
+defaults: a composed op (`rms_norm_rope`, `hc_pre_norm`, `sparse_attention_rope`, ...) defaults to the maths ops
+it stands for, in order; an optional fused op (`route_hidden`, `moe_with_shared`, `compress_decode`, the paged
+decode ops) defaults to "not here" (None or False), and the model then runs the maths ops. A backend overrides
+one only with a kernel that gives the same result. This module imports nothing from torch at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+# annotations only; on one line so that nothing in deepserve/core reads as a torch import
+if TYPE_CHECKING: from torch import Tensor  # noqa: E701
+
+
+@dataclass(frozen=True, slots=True)
+class VisibleRows:
+    """A query's compressed index list given by its rule rather than its entries: the query at position p sees
+    its sequence's compressed rows 0, 1, ..., (p + 1) // ratio - 1 in that order, in `width` columns (-1 past
+    its own). What a fixed-shape decode step's compressor gives the attention when nothing is chosen among the
+    rows (HCA layers; CSA layers while the indexer's top-k holds every row), so that a backend's key-row kernel
+    can form the list itself (`Backend.decode_key_rows`) instead of reading one made by a few small launches."""
+
+    ratio: int
+    width: int
+
+
+class FusedOps:
+    """The optional and composed ops, with their defaults (see the module docstring). Mixed into `Backend`: the
+    composed defaults call its maths ops."""
+
+    def rms_norm_rope(
+        self, x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor
+    ) -> Tensor:
+        """`rms_norm(x, weight, eps)` then RoPE (`apply_rope`) on the result: a backend may do both in one launch.
+        Returns a new tensor."""
+        return self.apply_rope(self.rms_norm(x, weight, eps), positions, inv_freq, inplace=True)
+
+    def qk_norm_rope(
+        self, q: Tensor, kv: Tensor, kv_weight: Tensor, eps: float, positions: Tensor, inv_freq: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """`rms_norm_rope` of the queries q [T, H, d] (no weight) and of the key kv [T, d] (with `kv_weight`):
+        (q, kv), new tensors. One op, so that a backend can do both in one launch; the default is the two ops."""
+        return (self.rms_norm_rope(q, None, eps, positions, inv_freq),
+                self.rms_norm_rope(kv, kv_weight, eps, positions, inv_freq))
+
+    def hc_pre_norm(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
+        weight: Tensor, eps: float, mix: object | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`hc_pre`, then the block's input RMSNorm (`rms_norm(collapsed, weight, eps)`): (normed [T, D], post,
+        comb). One op, so that a backend can norm the collapsed rows before storing them; the default is the
+        two ops. `mix`: what this backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
+        x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return self.rms_norm(x, weight, eps), post, comb
+
+    def hc_post_mix(
+        self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, next_fn: Tensor
+    ) -> tuple[Tensor, object | None]:
+        """`hc_post`, and a start on the next mHC site's mix (whose weights are `next_fn`) from the new streams
+        while they are at hand: (new streams, a value only this backend's `hc_pre_norm` reads as its `mix`, or
+        None). The default is `hc_post` and None."""
+        return self.hc_post(streams, block_out, post, comb), None
+
+    def hc_head_norm(
+        self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
+        weight: Tensor, eps: float, mix: object | None = None,
+    ) -> Tensor:
+        """`hc_head`, then the model's final RMSNorm (`rms_norm(collapsed, weight, eps)`). One op, so that a
+        backend can norm the collapsed rows before storing them; the default is the two ops. `mix`: what this
+        backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
+        return self.rms_norm(self.hc_head(streams, fn, base, scale, hc_eps, norm_eps), weight, eps)
+
+    def sparse_attention_rope(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float,
+                              positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """`sparse_attention`, then its output's rotary dims turned back by each query's position (V4 rotates
+        the attention output by the inverse RoPE before the output projection). One op, so that a backend can
+        turn the output before storing it; the default is the two ops."""
+        out = self.sparse_attention(q, kv, indices, sinks, scale)
+        return self.apply_rope(out, positions, inv_freq, inverse=True, inplace=True)
+
+    def rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+        """`linear(rms_norm(x, norm_weight, eps), weight)`, the normed rows not kept. One op, so that a backend
+        can norm the rows as its projection reads them; the default is the two ops."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), weight)
+
+    def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
+        """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
+        fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)
+        when the backend cannot; the model then multiplies fp32 copies."""
+        return None
+
+    def route(self, logits: Tensor, bias: Tensor | None, hash_ids: Tensor | None, top_k: int, scale: float):
+        """Optional fused MoE routing from the router's fp32 logits [T, E]: scores `sqrt(softplus(logits))`; the
+        experts are `hash_ids` [T, k] when given (hash layers), else the top-k of `scores + bias` (the bias steers
+        selection only); their weights are the scores, normalised to sum 1 (+1e-20) and times `scale`. Returns
+        (ids [T, k] int64, weights [T, k] fp32), or None (the default) when the backend has no kernel for it."""
+        return None
+
+    def route_hidden(self, x: Tensor, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
+                     token_ids: Tensor, top_k: int, scale: float):
+        """Optional fused op: the router's logits `linear_fp32(x, weight)` and `route` on them in one, where hash
+        layers give their table `tid2eid` [vocab, k] and the step's `token_ids` [T] instead of `hash_ids`.
+        Returns (ids, weights) as `route` does, or None (the default) when the backend has no kernel for it."""
+        return None
+
+    def moe_with_shared(
+        self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, limit: float,
+        shared_w13: Tensor, shared_w2: Tensor,
+    ) -> Tensor | None:
+        """Optional fused op: `moe_experts(x, topk_ids, topk_weights, w13, w2, limit)` plus the shared expert
+        (`shared_w13` [2I, D]: gate rows then up rows; `shared_w2` [D, I]; the same clamped SwiGLU, weight 1) as
+        one [T, D] sum. None (the default) when the backend has no kernel for these shapes; the model then runs
+        the routed and the shared experts apart and adds them."""
+        return None
+
+    def compress_decode(
+        self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
+        open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,
+        norm_weight: Tensor, inv_freq: Tensor, eps: float,
+    ) -> bool:
+        """Optional fused op: one decode token per row into one compressed stream, in place. Row b's token (at
+        `positions[b]`, in slot `slot[b]`, block table `tables[b]`) has raw projections `kv[b]`, `gate[b]`
+        ([B, F]); its gate gets `position_bias[position % ratio]`. A token that does not close its block is
+        stored in `open_kv/open_gate[slot, position % ratio]`; one that closes it pools the block (with
+        `prev_kv/prev_gate`, the previous block's Ca halves, when given: CSA overlap) by a per-channel softmax over
+        the slots, RMS-norms it with `norm_weight`, rotates it at the block's first position with `inv_freq`,
+        writes it to `rows[page, row % rpp]` and (overlap) leaves this block's Ca halves in `prev_*`. Exactly
+        `deepserve.model.compressor._Pooler.emit_static`'s effect. Returns False (the default: nothing done) when
+        the backend has no kernel for it; the model then runs its own torch ops."""
+        return False
+
+    def paged_key_rows(
+        self, positions: Tensor, chunk_start: Tensor, chunk_offset: Tensor, slot: Tensor, tables: Tensor,
+        compressed: Tensor | None, window: int, rows_per_page: int, comp_base: int, scratch_base: int,
+    ) -> Tensor | None:
+        """Optional fused op: the storage rows each query of a decode or verify step attends to, [T, W + K] int64
+        (`deepserve.model.attention.Attention._paged_key_pool`): its W window keys (position p before its chunk
+        at `slot * W + p % W`, its chunk's rows at `scratch_base + chunk_offset + p - chunk_start`, -1 before 0),
+        then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
+        rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""
+        return None
+
+    def decode_key_rows(
+        self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
+        compressed: Tensor | VisibleRows | None, window: int, rows_per_page: int, comp_base: int,
+    ) -> Tensor | None:
+        """Optional fused op for a step of one new token per row (a fixed-shape decode step): row t of kv [T, d]
+        into its sequence's window ring (storage row `slot[t] * window + positions[t] % window`, which held a
+        position no query of the step can see), then `paged_key_rows` for it, every window key now in the ring:
+        [T, W + K] int64, the W window keys of position p at `slot * W + q % W` for q in (p - W, p] (-1 before
+        0), then the K compressed rows (`compressed` [T, K] with -1 = none, or their rule, `VisibleRows`) at
+        `comp_base + tables[t, r // rpp] * rpp + r % rpp`. positions and slot are [T]. None (the default) when
+        the backend has no kernel: the model then writes the step's rows to the scratch region, forms the list
+        with `paged_key_rows` or torch, and writes the rings after the attention."""
+        return None
+
+    def paged_window_write(self, storage: Tensor, kv: Tensor, positions: Tensor, slot: Tensor, window: int) -> bool:
+        """Optional fused op: row t of kv [T, d] into its sequence's window ring, storage row `slot[t] * window +
+        positions[t] % window` (the caller's rows name distinct ring slots). False (the default) when the backend
+        has no kernel for it; the caller then scatters with torch."""
+        return False
+
+    #: whether a decode step of this backend's ops can be captured as a CUDA graph and replayed: no op syncs
+    #: with the host or sizes an output from tensor values, and `indexer_topk_paged` is implemented
+    cuda_graphs: bool = False
+
+    def indexer_topk_paged(
+        self, q: Tensor, weights: Tensor, pages: Tensor, tables: Tensor, key_count: Tensor, topk: int
+    ) -> Tensor:
+        """`indexer_topk` over keys kept in pages, for fixed-shape decode steps: query t's key r is
+        `pages[tables[t, r // rpp], r % rpp]` (pages [num_pages, rpp, Di], tables [T, P] int64) for r <
+        `key_count[t]`. Returns [T, topk] int64 key numbers r (not rows of `pages`), ascending, -1 unused. Its
+        shapes depend on T, P and rpp only. Optional: a backend without it decodes without fixed-shape steps."""
+        raise NotImplementedError(f"the {self.name} backend has no paged indexer (indexer_topk_paged)")
