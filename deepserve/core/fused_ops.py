@@ -95,18 +95,11 @@ class FusedOps:
         when the backend cannot; the model then multiplies fp32 copies."""
         return None
 
-    def route(self, logits: Tensor, bias: Tensor | None, hash_ids: Tensor | None, top_k: int, scale: float):
-        """Optional fused MoE routing from the router's fp32 logits [T, E]: scores `sqrt(softplus(logits))`; the
-        experts are `hash_ids` [T, k] when given (hash layers), else the top-k of `scores + bias` (the bias steers
-        selection only); their weights are the scores, normalised to sum 1 (+1e-20) and times `scale`. Returns
-        (ids [T, k] int64, weights [T, k] fp32), or None (the default) when the backend has no kernel for it."""
-        return None
-
     def route_hidden(self, x: Tensor, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
                      token_ids: Tensor, top_k: int, scale: float):
         """Optional fused op: the router's logits `linear_fp32(x, weight)` and `route` on them in one, where hash
         layers give their table `tid2eid` [vocab, k] and the step's `token_ids` [T] instead of `hash_ids`.
-        Returns (ids, weights) as `route` does, or None (the default) when the backend has no kernel for it."""
+        Returns (ids, weights) as `Backend.route` does, or None (the default) when the backend has no kernel for it."""
         return None
 
     def moe_with_shared(

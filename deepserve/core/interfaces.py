@@ -120,6 +120,13 @@ class Backend(FusedOps, ABC):
         slots s. values, gates [B, S, d] (a gate of -inf drops its slot). Returns [B, d] fp32."""
 
     @abstractmethod
+    def route(self, logits: Tensor, bias: Tensor | None, hash_ids: Tensor | None, top_k: int, scale: float):
+        """MoE routing from the router's fp32 logits [T, E]: scores `router_scores(logits)`; the experts are
+        `hash_ids` [T, k] when given (hash layers), else the top-k of `scores + bias` (the bias steers selection
+        only); their weights are the scores, normalised to sum 1 (+1e-20) and times `scale`. Returns
+        (ids [T, k] int64, weights [T, k] fp32)."""
+
+    @abstractmethod
     def router_scores(self, logits: Tensor) -> Tensor:
         """The MoE router's activation `sqrt(softplus(logits))`, fp32 [T, E]."""
 

@@ -26,25 +26,16 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self.backend.route_hidden(x, self.weight, None if self.is_hash else self.e_score_correction_bias,
-                                          self.tid2eid if self.is_hash else None, token_ids, self.top_k, self.scale)
+        bias = None if self.is_hash else self.e_score_correction_bias
+        fused = self.backend.route_hidden(x, self.weight, bias, self.tid2eid if self.is_hash else None, token_ids,
+                                          self.top_k, self.scale)
         if fused is not None:  # logits and routing in one launch
             return fused
         logits = self.backend.linear_fp32(x, self.weight)  # a backend that multiplies bf16 with fp32 output
         if logits is None:
             logits = self.backend.linear(x.float(), self.weight.float())
-        fused = self.backend.route(logits, None if self.is_hash else self.e_score_correction_bias,
-                                   self.tid2eid[token_ids] if self.is_hash else None, self.top_k, self.scale)
-        if fused is not None:  # the backend's one-launch routing
-            return fused
-        scores = self.backend.router_scores(logits)
-        if self.is_hash:
-            ids = self.tid2eid[token_ids]
-        else:  # the bias steers selection only; the weights come from the unbiased scores
-            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
-        return ids, weights
+        return self.backend.route(logits, bias, self.tid2eid[token_ids] if self.is_hash else None, self.top_k,
+                                  self.scale)
 
 
 class Experts(nn.Module):

@@ -190,7 +190,7 @@ class NvidiaBackend(ReferenceBackend):
 
     def route(self, logits, bias, hash_ids, top_k, scale):
         if self.kernels is None or not logits.is_cuda or logits.shape[1] > 4096:
-            return None
+            return super().route(logits, bias, hash_ids, top_k, scale)
         return self.kernels.moe.route(logits, bias, hash_ids, top_k, scale)
 
     # -- mHC -----------------------------------------------------------------------------------------------------

@@ -233,6 +233,14 @@ class ReferenceBackend(Backend):
             out.index_add_(0, tokens, y)
         return out.to(x.dtype)
 
+    def route(self, logits, bias, hash_ids, top_k, scale):
+        scores = self.router_scores(logits)
+        # the bias steers selection only; the weights come from the unbiased scores
+        ids = hash_ids if hash_ids is not None else torch.topk(scores + bias, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        total = self._num.ordered_sum(weights.double() if self.exact else weights, -1, keepdim=True).float()
+        return ids, weights / (total + 1e-20) * scale
+
     def router_scores(self, logits):
         return torch.sqrt(self._num.softplus(logits.float())).float()
 
