@@ -18,7 +18,9 @@ from deepserve.async_api import AsyncEngine
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import auth_middleware, error_middleware
+from deepserve.server.loop_lag import lag_monitor_context
 from deepserve.server.metrics import ServerMetrics
+from deepserve.server.pool import pool_context
 from deepserve.server.recipe import RecipeCodec
 from deepserve.server.routes import add_routes
 from deepserve.server.state import (ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, Admission,
@@ -42,7 +44,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
     add_routes(app)
     _add_plugin_routes(app, plugin_manager if plugin_manager is not None else make_plugin_manager())
     factory = engine_factory or (lambda: AsyncEngine.from_pretrained(config.model, **config.engine_options))
-    app.cleanup_ctx.append(_engine_context(factory))
+    app.cleanup_ctx.extend([_engine_context(factory), pool_context, lag_monitor_context])
     app.on_shutdown.append(_drain)
     return app
 
@@ -65,7 +67,7 @@ def _engine_context(factory: EngineFactory) -> Callable[[web.Application], Async
         await engine.start()
         try:
             app[ENGINE] = engine
-            app[MODEL] = ModelInfo.from_engine(engine, config)
+            app[MODEL] = await asyncio.to_thread(ModelInfo.from_engine, engine, config)
             app[RECIPE] = RecipeCodec(config.model, config.model_name, config.default_thinking_mode)
             if app[RECIPE].unavailable:
                 logger.warning("deepserve: chat endpoints disabled: %s", app[RECIPE].unavailable)

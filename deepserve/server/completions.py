@@ -24,6 +24,7 @@ from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.stop_checker import hold_back_length
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
+from deepserve.server.pool import run_in_pool
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, compile_grammar, grammar_failure, \
     response_format_constraint, single, to_spec
@@ -45,7 +46,7 @@ MAX_LOGPROBS = 20
 def parse_completion(body: dict[str, Any], model: ModelInfo) \
         -> tuple[str | None, list[int], SamplingParams, str | None]:
     """Validate a completions body: (prompt text, prompt ids, sampling parameters, the field that asked for
-    structured output or None). Raises 400 `ApiError`s."""
+    structured output or None). Raises 400 `ApiError`s. Tokenizes the prompt: the server calls it on its pool."""
     for name in body:
         if name not in KNOWN_FIELDS:
             raise ApiError(400, f"unrecognized field '{name}'", param=name, code="unknown_field")
@@ -97,9 +98,10 @@ def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        if model.tokenizer is None:
+        if model.encoder is None:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids", param="prompt")
-        text, ids = prompt, model.tokenizer.encode(check_text(prompt, "prompt"))
+        model.check_prompt_text(check_text(prompt, "prompt"), param="prompt")
+        text, ids = prompt, model.encoder.encode(prompt)
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         text, ids = None, list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -114,7 +116,7 @@ def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
 
 async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     model, engine = request.app[MODEL], request.app[ENGINE]
-    text, ids, params, constraint_field = parse_completion(body, model)
+    text, ids, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
     if params.structured_outputs is not None:
         await compile_grammar(engine.engine, params.structured_outputs, constraint_field)
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))

@@ -108,7 +108,8 @@ class RecipeCodec:
         return None
 
     def prepare(self, protocol: Protocol, raw: bytes, body: dict[str, Any], model: ModelInfo) -> Prepared:
-        """Convert one request body (already checked to name the served model). Raises `ApiError` (4xx)."""
+        """Convert one request body (already checked to name the served model). Raises `ApiError` (4xx).
+        Seconds for a long prompt (rendering and tokenizing it): the server calls it on its thread pool."""
         if self.unavailable:
             raise ApiError(400, self.unavailable, code="chat_not_supported")
         for name, is_set in protocol.unsupported.items():
@@ -128,6 +129,8 @@ class RecipeCodec:
             conv = self._constrained_conversion(protocol, raw, body, conv)
             if conv.conversation.thinking_mode:  # asked for: the answer after the thinking is constrained
                 spec = after_thinking(spec, self.thinking_end_ids, constraint.field)
+        rendered = _recipe(lambda: self.encoding.render_conversation(conv.conversation), protocol, body)
+        model.check_prompt_text(rendered.prompt)  # milliseconds; tokenizing an oversized prompt takes seconds
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
         max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)

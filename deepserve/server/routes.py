@@ -14,6 +14,7 @@ from deepserve.server.generation import serve_prepared
 from deepserve.server.http import json_type, read_json_object
 from deepserve.server.metrics import CONTENT_TYPE
 from deepserve.server.openapi import build_openapi
+from deepserve.server.pool import run_in_pool
 from deepserve.server.recipe import CHAT, MESSAGES, RESPONSES, Protocol
 from deepserve.server.state import ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, ModelInfo
 
@@ -35,7 +36,7 @@ async def _recipe_endpoint(request: web.Request, protocol: Protocol) -> web.Stre
         raw, body = await read_json_object(request)
         model = request.app[MODEL]
         require_model(body, model.name)
-        prepared = request.app[RECIPE].prepare(protocol, raw, body, model)
+        prepared = await run_in_pool(request.app, request.app[RECIPE].prepare, protocol, raw, body, model)
         return await serve_prepared(request, prepared)
 
 

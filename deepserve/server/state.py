@@ -21,6 +21,7 @@ from deepserve.server.config import ServerConfig
 from deepserve.server.errors import ApiError
 from deepserve.server.metrics import ServerMetrics
 from deepserve.server.recipe import RecipeCodec
+from deepserve.server.tokenization import PromptBound, TextEncoder
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from deepserve.model.tokenizer import Tokenizer
@@ -28,7 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """The served model as the HTTP layer sees it."""
+    """The served model as the HTTP layer sees it. `encoder` tokenizes as `tokenizer` does, releasing the GIL;
+    `prompt_bound` (None where the tokenizer allows no proof) refuses texts too long for the context unread."""
 
     name: str
     path: str
@@ -36,14 +38,25 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     tokenizer: Tokenizer | None
+    encoder: TextEncoder | None = None
+    prompt_bound: PromptBound | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, config: ServerConfig) -> ModelInfo:
+        """Reads the tokenizer's whole vocabulary: call it off the event loop."""
         llm = engine.llm
-        cfg = llm.model.cfg
+        cfg, tokenizer = llm.model.cfg, llm.tokenizer
+        encoder = TextEncoder(tokenizer) if tokenizer is not None else None
+        bound = PromptBound.from_tokenizer_json(tokenizer.to_str()) if tokenizer is not None else None
         return cls(config.model_name, str(config.model), llm.max_model_len, cfg.vocab_size,
-                   tuple(cfg.eos_token_ids), llm.tokenizer)
+                   tuple(cfg.eos_token_ids), tokenizer, encoder, bound)
+
+    def check_prompt_text(self, text: str, param: str | None = None) -> None:
+        """400 `context_length_exceeded` for a text that cannot fit the context whatever its tokens, found from
+        its length alone (call it before tokenizing)."""
+        if self.prompt_bound is not None:
+            self.prompt_bound.check(text, self.max_model_len, param)
 
     def check_prompt(self, ids: list[int], param: str | None = None) -> None:
         """400 for a prompt that is empty, holds an id outside the vocabulary, or leaves no room for output."""
