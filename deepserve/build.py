@@ -96,8 +96,9 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
                          max_step_tokens=max(config.max_num_batched_tokens, 16 * max_num_seqs))
     logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_pages, block_size, num_pages * block_size)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
+    planner = proposer.planner if proposer is not None else None
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                          cfg.eos_token_ids)
+                          cfg.eos_token_ids, verify_planner=planner.plan if planner is not None else None)
     graphs = None
     if backend.cuda_graphs and not config.enforce_eager and proposer is None:
         graphs = DecodeGraphs(model, cache, max_num_seqs, math.ceil(max_model_len / block_size))
@@ -109,7 +110,7 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
                         make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                        verify_planner=proposer.planner if proposer else None)
+                        verify_planner=planner)
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))

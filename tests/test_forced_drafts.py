@@ -109,7 +109,7 @@ def test_forced_drafts_in_a_mixed_batch(llms):
     outs = spec.generate(prompts, sampling, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:3]] == [o.outputs[0].token_ids for o in ref[:3]]
     jsonschema.validate(json.loads(outs[3].outputs[0].text), SCHEMA)
-    assert not spec.runner._draft_probs and spec.runner.num_active_sequences == 0
+    assert spec.runner.speculation.num_requests_held == 0 and spec.runner.num_active_sequences == 0
 
 
 def test_an_exact_draft_is_kept_only_where_the_target_samples_it():

@@ -61,7 +61,7 @@ def assert_everything_free(llm):
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.pool.num_blocks
     assert not llm.kv_manager.block_tables
     assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
-    assert not llm.runner._draft_probs
+    assert llm.runner.speculation is None or llm.runner.speculation.num_requests_held == 0
 
 
 @pytest.fixture(scope="module")

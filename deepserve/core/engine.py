@@ -144,11 +144,12 @@ class EngineCore:
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
         `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
-        `observe(num_tokens, seconds)`)."""
+        `observe(num_tokens, seconds)`); the scheduler is built with its `plan`, this engine feeds it `observe`."""
         self.scheduler, self.executor, self.cost_model = scheduler, executor, cost_model
         self.num_speculative_tokens, self.verify_planner = num_speculative_tokens, verify_planner
-        if verify_planner is not None:
-            scheduler.verify_planner = verify_planner.plan
+        if verify_planner is not None and scheduler.verify_planner != verify_planner.plan:
+            raise ValueError("the scheduler must be built with verify_planner=planner.plan of the engine's planner "
+                             "(the engine feeds the planner step times; the scheduler asks it for lengths)")
         self.grammars = grammars  # None: this engine refuses structured-output requests
         self.page_size, self.enable_prefix_caching = page_size, enable_prefix_caching
         self.make_detokenizer = make_detokenizer

@@ -13,23 +13,19 @@ host-to-device copies are asynchronous (`to_device`). Steps that read logits on 
 CUDA graph's next replay overwrites its logits.
 
 With a speculative `Proposer`, a verifying chunk carries its drafts after its last token: the runner takes an
-undo of the sequence's state, computes the chunk, keeps the drafts the rejection rule accepts
-(`deepserve.model.verify`), rolls the state back past the rest (`SequenceUndo`), and then lets the proposer
-catch its drafter up on every chunk and draft the next tokens, all before the step returns. The step copies to
-the host twice: the kept counts and tokens (the drafter's batch layout depends on them), then the drafts.
+undo of the sequence's state and computes the chunk, and its `Speculation` (`speculation.py`) resolves the
+chunks before the forward and verifies and drafts after it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from deepserve.sampling import argmax_lowest, compute_logprobs, suppress_tokens, top_logprobs
-from deepserve.core.interfaces import (DRAFT_PLACEHOLDER, PLACEHOLDER, Backend, ChunkInput, ModelExecutor,
+from deepserve.core.interfaces import (PLACEHOLDER, Backend, ChunkInput, ModelExecutor,
                                        StepInput, StepMasks, StepOutput)
 from deepserve.core.outputs import make_logprob_dict
 
@@ -37,9 +33,10 @@ from .batch import make_batch, select_chunks, to_device
 from .cuda_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
-from .speculative import DraftChunk, Proposer, RowSampling, SequenceUndo
+from .grammar_mask import mask_bias
+from .speculation import Speculation
+from .speculative import Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
-from .verify import verify
 
 
 @dataclass(slots=True)
@@ -55,16 +52,26 @@ class ModelRunner(ModelExecutor):
         """`graphs`: run the decode steps it supports as static forwards (CUDA graphs); not with a proposer,
         whose steps verify several tokens per sequence and need the drafter's inputs."""
         if graphs is not None and proposer is not None:
-            raise ValueError("decode graphs and a speculative proposer do not combine (the graphs decode one token per step)")
+            raise ValueError("decode graphs and a speculative proposer do not combine "
+                             "(the graphs decode one token per step)")
         self.model, self.backend, self.cache = model, backend, cache
         self.device = torch.device(backend.device)
         self.decode = decode  # token id -> text, for Logprob.decoded_token
-        self.proposer = proposer
+        self.speculation = Speculation(self, proposer) if proposer is not None else None
         self.graphs = graphs
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
-        self._draft_probs: dict[str, torch.Tensor] = {}  # q [k, V] of each request's pending drafts
-        self._last: dict[str, tuple[int, list[int]]] = {}  # host copies: last sampled token and drafts
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The speculative drafter (None: no speculation)."""
+        return self.speculation.proposer if self.speculation is not None else None
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        if self.speculation is None:
+            raise ValueError("this runner was built without speculation: give the proposer to its constructor")
+        self.speculation.proposer = proposer
 
     @property
     def num_free_slots(self) -> int:
@@ -79,15 +86,15 @@ class ModelRunner(ModelExecutor):
         clock = _StepClock(self.device)
         for request_id in step.freed_request_ids:
             seq = self._seqs.pop(request_id, None)
-            self._draft_probs.pop(request_id, None)
-            self._last.pop(request_id, None)
+            if self.speculation is not None:
+                self.speculation.free(request_id)
             if seq is not None:
                 self.cache.free_sequence(seq.slot)
         if not step.chunks:
             return StepOutput(seconds=time.perf_counter() - clock.began)
         chunks = step.chunks
-        if self.proposer is not None:  # placeholders and relative starts, from this runner's own last step
-            chunks = tuple(self._resolve(c) for c in chunks)
+        if self.speculation is not None:  # placeholders and relative starts, from this runner's own last step
+            chunks = tuple(self.speculation.resolve(c) for c in chunks)
         states = [self._state_for(c) for c in chunks]
         rows = [range(len(c.token_ids)) if c.prompt_targets else
                 range(len(c.token_ids) - 1 - c.num_draft_tokens, len(c.token_ids)) for c in chunks]
@@ -107,8 +114,8 @@ class ModelRunner(ModelExecutor):
         deferred = self.proposer is None and not any(c.prompt_targets for c in chunks) \
             and all(c.params.logprobs is None for c in picked)
         tokens = None
-        if self.proposer is not None:
-            self._speculate(step.masks, forward, batch, chunks, last_rows, sampling, undo, out)
+        if self.speculation is not None:
+            self.speculation.step(step.masks, forward, batch, chunks, last_rows, sampling, undo, out)
         elif sampling:
             grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out)
             sampled_rows = to_device([last_rows[i] for i in sampling], torch.long, self.device)
@@ -202,121 +209,6 @@ class ModelRunner(ModelExecutor):
         rows = [row_of[i] for i in masks.chunk_indices]
         return rows, mask_bias(bitmask, vocab_size, self.device)
 
-    def _speculate(self, masks, forward, batch, chunks, last_rows, sampling, undo, out: StepOutput) -> None:
-        """Verify the drafts (rolling back past rejected ones), then let the proposer draft the next ones."""
-        grammar = self._verify_masks(masks, sampling, chunks, forward.logits.shape[-1], out) if sampling else None
-        kept = self._verify(forward.logits, last_rows, chunks, sampling, grammar, undo, out) if sampling else {}
-        self._propose(forward.streams, batch, chunks, kept, out)
-        for c in chunks:
-            if c.samples:
-                self._last[c.request_id] = (out.sampled[c.request_id], out.draft_token_ids.get(c.request_id, []))
-
-    def _resolve(self, chunk: ChunkInput) -> ChunkInput:
-        """Fill a chunk's placeholders (the token and drafts this runner's previous step made for the request) and
-        give a relative chunk its real start: where the previous step's kept drafts left the sequence."""
-        ids = chunk.token_ids
-        if not chunk.relative and PLACEHOLDER not in ids and DRAFT_PLACEHOLDER not in ids:
-            return chunk
-        sampled, drafts = self._last[chunk.request_id]
-        it = iter(drafts)
-        ids = tuple(sampled if t == PLACEHOLDER else next(it) if t == DRAFT_PLACEHOLDER else t for t in ids)
-        if not chunk.relative:
-            return dataclasses.replace(chunk, token_ids=ids)
-        start = self._seqs[chunk.request_id].state.num_tokens
-        P, table = self.cache.page_size, chunk.block_table
-        snaps = tuple((b, table[b // P - 1]) for b in range((start // P + 1) * P, start + len(ids) + 1, P))
-        return dataclasses.replace(chunk, start=start, token_ids=ids, snapshots=snaps)
-
-    def _verify(self, logits, last_rows: list[int], chunks, sampling: list[int], grammar, undo, out: StepOutput):
-        """Keep or reject the drafts of every sampling chunk, sample the token after them, roll back. Returns
-        {chunk index: number of its tokens the state keeps}."""
-        picked = [chunks[i] for i in sampling]
-        num_drafts = [c.num_draft_tokens for c in picked]
-        row_index = [r for i, k in zip(sampling, num_drafts) for r in range(last_rows[i] - k, last_rows[i] + 1)]
-        rows = logits[torch.tensor(row_index, device=self.device)]
-        bonus = torch.tensor([sum(num_drafts[: n + 1]) + n for n in range(len(picked))], device=self.device)
-        rows[bonus] = self._masked(rows[bonus], picked)  # min_tokens' blocked ids: such requests never draft
-        if grammar is not None:  # grammar masks on every verified row of constrained requests
-            mask_rows, bias = grammar
-            rows.index_add_(0, torch.tensor(mask_rows, device=self.device), bias.to(rows.dtype))
-        sampling_rows = self._row_sampling(picked).repeat_rows(num_drafts)
-        positions = [c.start + len(c.token_ids) - k + j for c, k in zip(picked, num_drafts) for j in range(k + 1)]
-        draft_ids = [t for c, k in zip(picked, num_drafts) for t in c.token_ids[len(c.token_ids) - k:] + (0,)]
-        probs = exact = None
-        if any(k and c.params.temperature > 0 and not c.exact_drafts for c, k in zip(picked, num_drafts)):
-            probs = torch.zeros_like(rows)
-            at = 0
-            for c, k in zip(picked, num_drafts):
-                if k and c.params.temperature > 0 and not c.exact_drafts:  # greedy and forced rows never read q
-                    probs[at : at + k] = self._draft_probs[c.request_id][:k]
-                at += k + 1
-            exact = torch.tensor([c.exact_drafts for c, k in zip(picked, num_drafts) for _ in range(k + 1)],
-                                 device=self.device)
-        num_kept, tokens = verify(self.backend, rows, sampling_rows, torch.tensor(positions, device=self.device),
-                                  num_drafts, torch.tensor(draft_ids, device=self.device), probs,
-                                  sampling_rows.all_greedy, exact)
-        self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
-        kept_host, tokens_host = torch.stack((num_kept, tokens)).tolist()  # the step's first device-to-host copy
-        kept = {}
-        for i, c, k, a, token in zip(sampling, picked, num_drafts, kept_host, tokens_host):
-            out.sampled[c.request_id] = token
-            kept[i] = len(c.token_ids) - k + a
-            if k:
-                out.num_accepted[c.request_id] = a
-                if a < k:
-                    undo[i].rollback(c.start + kept[i])
-                else:
-                    undo[i].commit()
-        plain = [n for n, k in enumerate(num_drafts) if not k]  # logprobs: requests that ask for them never draft
-        if plain:
-            raw = logits[torch.tensor([last_rows[sampling[n]] for n in plain], device=self.device)]
-            self._logprobs(raw, tokens[plain], [picked[n] for n in plain], out)
-        return kept
-
-    def _propose(self, streams, batch, chunks, kept: dict[int, int], out: StepOutput) -> None:
-        """Catch the drafter up on every chunk's kept tokens and draft for the chunks that ask."""
-        todo = []
-        for i, (c, seq_chunk) in enumerate(zip(chunks, batch.chunks)):
-            n = kept.get(i, len(c.token_ids))
-            last = out.sampled.get(c.request_id) if c.samples else c.next_token_id
-            if last is None:
-                raise RuntimeError(f"request {c.request_id}: the drafter needs the token after its chunk")
-            end = c.start + n
-            todo.append(DraftChunk(
-                self._seqs[c.request_id].state, c.start, n, range(seq_chunk.offset, seq_chunk.offset + n),
-                list(c.token_ids[1:n]) + [last], c.num_speculative_tokens if c.samples else 0,
-                tuple((b, p) for b, p in c.snapshots if b <= end)))
-        drafting = [c for c, d in zip(chunks, todo) if d.num_drafts]
-        for c in chunks:
-            if c.samples:
-                self._draft_probs.pop(c.request_id, None)  # drafts are good for one step only
-        drafts = self.proposer.propose(streams, todo, self._row_sampling(drafting))
-        if drafts is None:
-            return
-        token_ids = drafts.token_ids.tolist()  # the step's second device-to-host copy
-        confidences = drafts.confidences.tolist() if drafts.confidences is not None else None
-        for d, c in enumerate(drafting):
-            if drafts.probs is not None:
-                self._draft_probs[c.request_id] = drafts.probs[d]
-            out.draft_token_ids[c.request_id] = token_ids[d]
-            if confidences is not None:
-                out.draft_confidences[c.request_id] = confidences[d]
-
-    def _verify_masks(self, masks: StepMasks | None, sampling: list[int], chunks, vocab_size: int,
-                      out: StepOutput):
-        """(verify rows, their grammar mask bias) for constrained chunks, once the host has filled the bitmask:
-        bitmask rows are consecutive per chunk (1 + drafts each), as the verify rows are."""
-        bitmask = self._wait_bitmask(masks, out)
-        if bitmask is None:
-            return None
-        first, at = {}, 0
-        for i in sampling:
-            first[i] = at
-            at += 1 + chunks[i].num_draft_tokens
-        per_chunk = masks.rows_per_chunk or (1,) * len(masks.chunk_indices)
-        rows = [first[i] + j for i, n in zip(masks.chunk_indices, per_chunk) for j in range(n)]
-        return rows, mask_bias(bitmask, vocab_size, self.device)
-
     def _row_sampling(self, chunks: list[ChunkInput]) -> RowSampling:
         p = [c.params for c in chunks]
 
@@ -378,26 +270,6 @@ class ModelRunner(ModelExecutor):
                     for j in range(n)
                 ]
             offset += len(r)
-
-
-def mask_bias(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A CPU int32 grammar bitmask [n, ceil(V / 32)] (bit j of word w: token 32w + j allowed) -> fp32 [n, V] on
-    `device`: 0 where the token is allowed, -inf where it is forbidden, to add to the logits. Built by a byte
-    table lookup, without branches (a masked fill over a patchy mask is several times slower on a CPU). A row
-    that allows nothing (a grammar's dead end, whose request the host is finishing) forbids nothing, so its
-    discarded sample is still a valid id."""
-    inverted = ~bitmask
-    inverted[(bitmask == 0).all(dim=1)] = 0
-    forbidden_bytes = to_device(inverted.view(torch.uint8), torch.uint8, device).long()  # packed: 32x fewer bytes
-    bias = torch.nn.functional.embedding(forbidden_bytes, _byte_bias(device))  # [n, 4 * words, 8]
-    return bias.view(bitmask.shape[0], -1)[:, :vocab_size]
-
-
-@functools.cache
-def _byte_bias(device: torch.device) -> torch.Tensor:
-    """[256, 8] fp32: row b holds -inf at the set bits of byte b (lowest bit first), 0 elsewhere."""
-    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-    return torch.where(bits.bool(), float("-inf"), 0.0).to(device)
 
 
 class _StepClock:
