@@ -57,7 +57,7 @@ def check_sparse_attention(device, T, H, d, N, window, topk, seed=0, dtype=torch
     sinks = torch.randn(H, generator=g, device=device)
     scale = d**-0.5
     ref_b = ReferenceBackend(device)
-    ref = ref_b._attend(q.float(), kv.float(), indices, sinks, scale)
+    ref = ref_b.sparse_attention(q.float(), kv.float(), indices, sinks, scale)
     rope = None
     if rope_dim:
         positions = torch.randint(0, 5000, (T,), generator=g, device=device)
