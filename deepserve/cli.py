@@ -68,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model=model, served_model_name=args.served_model_name,
                           api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
-                          drain_timeout=args.drain_timeout, default_thinking_mode=args.thinking == "on",
+                          drain_timeout=args.drain_timeout, engine_step_timeout=args.engine_step_timeout,
+                          default_thinking_mode=args.thinking == "on",
                           structured_outputs_backend=args.structured_outputs_backend,
                           grammar_compile_timeout=args.grammar_compile_timeout, engine_kwargs=engine_kwargs)
     run_server(config, args.host, args.port)
@@ -111,7 +112,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        '$DEEPSERVE_SPECULATIVE_CONFIG, else off)')
     serve.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish on shutdown")
+                       help="seconds in-flight requests get to finish on shutdown; then open streams end with "
+                       "the protocol's error event")
+    serve.add_argument("--engine-step-timeout", type=float, default=60.0,
+                       help="seconds the engine may go without completing a step while it has work before "
+                       "/health answers 503 (logged)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 

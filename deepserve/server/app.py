@@ -1,8 +1,10 @@
 """The app factory: routes, middlewares, plugin routes, and the engine's life in one `cleanup_ctx`.
 
 `create_app(config)` builds the app without touching the model; the engine is loaded, started and stopped
-by `_engine_context` when the app starts and cleans up. Shutdown first drains: new requests get 503 while the
-in-flight ones run to completion (up to `drain_timeout`), then the engine stops and aborts whatever is left.
+by `_engine_context` when the app starts and cleans up, and the prompt pool, the loop-lag monitor and the engine
+watchdog live as long. Shutdown first drains: new requests get 503 while the in-flight ones run to completion
+(up to `drain_timeout`); then the rest are aborted in the engine and end with the protocol's error event, and
+the engine stops.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from deepserve.server.metrics import ServerMetrics
 from deepserve.server.pool import pool_context
 from deepserve.server.recipe import RecipeCodec
 from deepserve.server.routes import add_routes
+from deepserve.server.watchdog import watchdog_context
 from deepserve.server.state import (ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, Admission,
                                     ModelInfo)
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], AsyncEngine]
+#: how long aborted requests get to send their error event (one engine step, unless the engine hangs)
+_ABORT_GRACE_SECONDS = 5.0
 
 
 def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | None = None,
@@ -44,7 +49,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
     add_routes(app)
     _add_plugin_routes(app, plugin_manager if plugin_manager is not None else make_plugin_manager())
     factory = engine_factory or (lambda: AsyncEngine.from_pretrained(config.model, **config.engine_options))
-    app.cleanup_ctx.extend([_engine_context(factory), pool_context, lag_monitor_context])
+    app.cleanup_ctx.extend([_engine_context(factory), pool_context, lag_monitor_context, watchdog_context])
     app.on_shutdown.append(_drain)
     return app
 
@@ -84,17 +89,25 @@ def _engine_context(factory: EngineFactory) -> Callable[[web.Application], Async
 
 
 async def _drain(app: web.Application) -> None:
-    admission = app.get(ADMISSION)
-    if admission is None:
+    """Shutdown, first part: refuse new requests, let the open ones run for `drain_timeout`, then abort the rest
+    in the engine (each handler ends its response with the protocol's error event, or a 503) and wait for them
+    to end. aiohttp then closes the connections and the cleanup stops the engine."""
+    admission, timeout = app.get(ADMISSION), app[CONFIG].drain_timeout
+    if admission is None or await admission.drain(timeout):
         return
-    if not await admission.drain(app[CONFIG].drain_timeout):
-        logger.warning("deepserve: %d requests still open after %.0f s; stopping the engine aborts them",
-                       admission.num_open, app[CONFIG].drain_timeout)
+    num_open = admission.num_open
+    num_aborted = admission.abort_open(app[ENGINE].abort)
+    logger.warning("deepserve: %d requests still open after the %g s drain: aborting the %d the engine has",
+                   num_open, timeout, num_aborted)
+    if not await admission.drain(_ABORT_GRACE_SECONDS):
+        logger.warning("deepserve: %d requests did not end within %g s of their abort; their connections close "
+                       "without an error event", admission.num_open, _ABORT_GRACE_SECONDS)
 
 
 def run_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until SIGINT/SIGTERM on uvloop; handlers are cancelled when their client disconnects."""
     import uvloop
 
+    # shutdown_timeout: `_drain` has already waited for the generation requests; what is left is cancelled soon
     web.run_app(create_app(config), host=host, port=port, loop=uvloop.new_event_loop(), handler_cancellation=True,
-                shutdown_timeout=5.0)
+                shutdown_timeout=1.0)

@@ -22,6 +22,7 @@ from deepserve.core.async_engine import EngineDeadError
 from deepserve.core.outputs import CompletionOutput, RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.stop_checker import hold_back_length
+from deepserve.server.admission import Ticket, shutdown_error
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
@@ -114,7 +115,7 @@ def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
     return text, ids
 
 
-async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+async def handle_completions(request: web.Request, body: dict[str, Any], ticket: Ticket) -> web.StreamResponse:
     model, engine = request.app[MODEL], request.app[ENGINE]
     text, ids, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
     if params.structured_outputs is not None:
@@ -127,6 +128,7 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
     timer, reason = request.app[METRICS].timer(), "abort"  # unless it ends normally: the client left
     sse, sent_chars, sent_tokens, final = None, 0, 0, None
     try:
+        ticket.start(head["id"])  # no await from here to the engine's add: see `Ticket.start`
         outs = engine.generate(ids, params, request_id=head["id"], prompt=text, views=True)
         async with contextlib.aclosing(outs):
             async for out in outs:
@@ -135,8 +137,8 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
                 if not stream:
                     sent_tokens = len(completion.token_ids)
                     continue
-                if out.finished and grammar_failure(completion) is not None:
-                    break  # a 422, or the error event below ends the stream
+                if out.finished and completion.finish_reason == "abort":
+                    break  # a failed grammar or the shutdown: a 4xx/503, or the error event below ends the stream
                 if sse is None:
                     sse = await open_sse(request)
                 end = len(completion.text)
@@ -161,12 +163,9 @@ async def handle_completions(request: web.Request, body: dict[str, Any]) -> web.
         timer.finish(reason)
     completion = final.outputs[0]
     if completion.finish_reason == "abort":
-        error = grammar_failure(completion, constraint_field) or \
-            ApiError(503, "the request was aborted: the server is shutting down")
+        error = grammar_failure(completion, constraint_field) or shutdown_error()  # only the server aborts it
         if sse is None:
             raise error
-        if error.status == 503:
-            error.message = "the request was aborted"
         await sse.write(sse_message(json.dumps(error_body(request.path, error.status, error.message, error.param,
                                                           error.code))))
         return sse

@@ -19,7 +19,8 @@ class ServerConfig:
     accelerator, max_model_len, max_num_seqs, ...). At most `max_num_seqs + max_waiting_requests` generation
     requests are open at once; one more gets 429 with `Retry-After`. `api_key` (when set) guards every `/v1/`
     route. A body over `max_body_bytes` gets 413. On shutdown, in-flight requests get `drain_timeout` seconds to
-    finish before they are aborted. `default_thinking_mode` is deepseek-recipe's default for requests that do
+    finish before they are aborted. `/health` answers 503 while the engine has work and no step has completed
+    for `engine_step_timeout` seconds. `default_thinking_mode` is deepseek-recipe's default for requests that do
     not say (DeepSeek's API default is on). `structured_outputs_backend` (the grammar backend plugin for requests
     that name none) and `grammar_compile_timeout` (seconds a constraint may take to compile; past it the request
     gets 400) go to the engine when set; None keeps the engine's defaults (`llguidance`, 10 s).
@@ -31,6 +32,7 @@ class ServerConfig:
     max_waiting_requests: int = 128
     max_body_bytes: int = 16 * 2**20
     drain_timeout: float = 30.0
+    engine_step_timeout: float = 60.0
     retry_after_seconds: int = 1
     default_thinking_mode: bool = True
     structured_outputs_backend: str | None = None
@@ -50,6 +52,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not self.engine_step_timeout > 0:
+            raise ValueError(f"engine_step_timeout must be > 0, got {self.engine_step_timeout}")
         if self.retry_after_seconds < 1:
             raise ValueError(f"retry_after_seconds must be >= 1, got {self.retry_after_seconds}")
         if self.structured_outputs_backend is not None and (not isinstance(self.structured_outputs_backend, str)

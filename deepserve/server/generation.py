@@ -3,9 +3,10 @@ as server-sent events (`stream: true`) or as one accumulated JSON response.
 
 A constrained request's grammar is compiled before the engine sees it (an invalid one is a 400). The SSE
 response starts with the first output, so anything the engine refuses before that is still a plain JSON error;
-a grammar that fails while generating is a 422, or the protocol's error event once streaming. Leaving early (a
-stop sequence ended the text, the client disconnected, the handler was cancelled) closes the engine stream,
-which aborts the request and frees its pages within one step.
+a grammar that fails while generating is a 422, or the protocol's error event once streaming; so is a request
+the shutdown aborts (503, `deepserve.server.admission.shutdown_error`). Leaving early (a stop sequence ended
+the text, the client disconnected, the handler was cancelled) closes the engine stream, which aborts the
+request and frees its pages within one step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from deepserve.core.async_engine import EngineDeadError
 from deepserve.core.outputs import PositionLogprobs, RequestOutput
+from deepserve.server.admission import SHUTDOWN_CODE, Ticket, shutdown_error
 from deepserve.server.errors import ERROR_TYPES, ApiError, error_body
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.metrics import RequestTimer
@@ -30,21 +32,22 @@ from deepserve.server.structured import client_of, compile_grammar, grammar_fail
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
 
 
-async def serve_prepared(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+async def serve_prepared(request: web.Request, prepared: Prepared, ticket: Ticket) -> web.StreamResponse:
     spec = prepared.params.structured_outputs
-    if spec is not None:
-        try:
+    try:
+        if spec is not None:
             await compile_grammar(request.app[ENGINE].engine, spec, prepared.constraint_field, client_of(request))
-        except BaseException:
-            prepared.processor.close()
-            raise
+        ticket.start(prepared.request_id)  # no await from here to the engine's add: see `Ticket.start`
+    except BaseException:
+        prepared.processor.close()
+        raise
     timer = request.app[METRICS].timer()
     reason = "abort"  # unless the request ends normally: the client left or the handler was cancelled
     try:
         response, reason = await _run(request, prepared, _Translator(prepared, request.app[MODEL].eos_token_ids, timer))
         return response
-    except ApiError:
-        reason = "error"
+    except ApiError as error:
+        reason = "abort" if error.code == SHUTDOWN_CODE else "error"
         raise
     finally:
         timer.finish(reason)
@@ -60,6 +63,7 @@ class _Translator:
         self.num_prompt_tokens = len(prepared.prompt_token_ids)
         self.num_sent = 0
         self.reason = "stop"
+        self.failed = False  # the response ended with the protocol's error event
 
     def first(self, out: RequestOutput) -> list:
         usage = dr.PromptUsage(prompt_tokens=self.num_prompt_tokens, prompt_cache_hit_tokens=out.num_cached_tokens)
@@ -78,7 +82,7 @@ class _Translator:
                 failure = grammar_failure(completion, self.constraint_field)
                 if failure is not None:
                     raise failure
-                raise ApiError(503, "the request was aborted: the server is shutting down")
+                raise shutdown_error()  # only the server aborts a request whose handler still reads it
             self.reason = completion.finish_reason
             events += self.processor.push(dr.InferenceChunk.finish(_FINISH[self.reason]))
             events += self.processor.finish()
@@ -99,15 +103,14 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
     async with contextlib.aclosing(stream):
         try:
             async for out in stream:
-                events = []
-                if sse is None and accumulated is None:
-                    events = translator.first(out)
-                    if prepared.stream:
-                        sse = await open_sse(request)
-                    else:
-                        accumulated = response_type(prepared.request_id, model.name, int(time.time()),
-                                                    translator.num_prompt_tokens, out.num_cached_tokens)
-                events += translator.events(out)
+                first = sse is None and accumulated is None
+                events = translator.first(out) if first else []
+                events += translator.events(out)  # an error here, before the response starts, is plain JSON
+                if first and prepared.stream:
+                    sse = await open_sse(request)
+                elif first:
+                    accumulated = response_type(prepared.request_id, model.name, int(time.time()),
+                                                translator.num_prompt_tokens, out.num_cached_tokens)
                 if sse is not None:
                     await sse.write(b"".join(sse_message(e.to_json(), response_type.sse_event_name(e))
                                              for e in events))
@@ -124,14 +127,15 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
             if sse is None:
                 raise
             await sse.write(_stream_error(prepared, error))
-            translator.reason = "error"
+            translator.failed = True
+            translator.reason = "abort" if error.code == SHUTDOWN_CODE else "error"
         finally:
             if not translator.done:
                 prepared.processor.close()
     if sse is None:
         return web.Response(text=accumulated.to_json(), content_type="application/json"), translator.reason
     done = response_type.sse_done_data()
-    if done is not None and translator.reason != "error":
+    if done is not None and not translator.failed:
         await sse.write(sse_message(done))
     await sse.write_eof()
     return sse, translator.reason

@@ -149,7 +149,7 @@ SCHEMAS: dict[str, Any] = {
     "ModelList": _object(["object", "data"], {
         "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
         "has_more": _BOOL, "first_id": _STR, "last_id": _STR}),
-    "Health": _object(["status"], {"status": {"enum": ["ok", "draining", "engine stopped"]}}),
+    "Health": _object(["status"], {"status": {"enum": ["ok", "draining", "engine stopped", "engine stalled"]}}),
 }
 
 _ERRORS = {"400": "invalid JSON, an invalid or unsupported field (named in the error), a prompt longer than "
@@ -199,7 +199,7 @@ OPERATIONS: dict[str, dict] = {
         "404": {"description": "unknown model", "content": {"application/json": _json("Error")}}}},
     "health": {"summary": "Liveness", "responses": {
         "200": {"description": "serving", "content": {"application/json": _json("Health")}},
-        "503": {"description": "draining or the engine has stopped",
+        "503": {"description": "draining, the engine has stopped, or it has work and completes no step",
                 "content": {"application/json": _json("Health")}}}},
     "metrics": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Prometheus text format",
                                                                        "content": {"text/plain": {"schema": _STR}}}}},

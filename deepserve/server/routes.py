@@ -17,6 +17,7 @@ from deepserve.server.openapi import build_openapi
 from deepserve.server.pool import run_in_pool
 from deepserve.server.recipe import CHAT, MESSAGES, RESPONSES, Protocol
 from deepserve.server.state import ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, ModelInfo
+from deepserve.server.watchdog import WATCHDOG
 
 
 def require_model(body: dict[str, Any], name: str) -> None:
@@ -32,12 +33,12 @@ def require_model(body: dict[str, Any], name: str) -> None:
 
 
 async def _recipe_endpoint(request: web.Request, protocol: Protocol) -> web.StreamResponse:
-    with request.app[ADMISSION].admit():
+    with request.app[ADMISSION].admit() as ticket:
         raw, body = await read_json_object(request)
         model = request.app[MODEL]
         require_model(body, model.name)
         prepared = await run_in_pool(request.app, request.app[RECIPE].prepare, protocol, raw, body, model)
-        return await serve_prepared(request, prepared)
+        return await serve_prepared(request, prepared, ticket)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -53,10 +54,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    with request.app[ADMISSION].admit():
+    with request.app[ADMISSION].admit() as ticket:
         _, body = await read_json_object(request)
         require_model(body, request.app[MODEL].name)
-        return await handle_completions(request, body)
+        return await handle_completions(request, body, ticket)
 
 
 def model_card(model: ModelInfo) -> dict[str, Any]:
@@ -83,11 +84,16 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while serving; 503 once draining for shutdown or when the engine thread has died."""
+    """200 while serving; 503 once draining for shutdown, when the engine thread has died, or while the watchdog
+    sees an engine with work that completes no step."""
     if request.app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
     if request.app[ENGINE].is_dead:
         return web.json_response({"status": "engine stopped"}, status=503)
+    watchdog = request.app[WATCHDOG]
+    if watchdog.stalled:
+        return web.json_response({"status": "engine stalled", "seconds_without_a_step":
+                                  round(watchdog.seconds_without_progress(), 1)}, status=503)
     return web.json_response({"status": "ok", "model": request.app[MODEL].name,
                               "num_open_requests": request.app[ADMISSION].num_open})
 

@@ -1,4 +1,4 @@
-"""What the app keeps between requests, under typed `web.AppKey`s, and the admission gate.
+"""What the app keeps between requests, under typed `web.AppKey`s (the admission gate: `admission.py`).
 
 Plugin routes read the same keys: `request.app[ENGINE]` is the running `AsyncEngine`, `request.app[MODEL]` what
 the server knows about the model it serves.
@@ -6,10 +6,7 @@ the server knows about the model it serves.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +14,7 @@ from aiohttp import web
 
 from deepserve.core.async_engine import AsyncEngine
 from deepserve.core.sampling_params import SamplingParams
+from deepserve.server.admission import Admission
 from deepserve.server.config import ServerConfig
 from deepserve.server.errors import ApiError
 from deepserve.server.metrics import ServerMetrics
@@ -84,47 +82,6 @@ class ModelInfo:
             raise ApiError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                            param="stop_token_ids")
         return params
-
-
-class Admission:
-    """Counts open generation requests. Past `capacity` (the engine's `max_num_seqs` plus the waiting-queue
-    bound) a new one gets 429 with `Retry-After`; once draining for shutdown, 503."""
-
-    def __init__(self, capacity: int, retry_after_seconds: int) -> None:
-        self.capacity, self.retry_after = capacity, str(retry_after_seconds)
-        self.num_open = 0
-        self.num_rejected = 0
-        self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down; retry on another replica",
-                           headers={"Retry-After": self.retry_after})
-        if self.num_open >= self.capacity:
-            self.num_rejected += 1
-            raise ApiError(429, f"too many requests: {self.num_open} are open, the limit is {self.capacity} "
-                           "(running plus waiting); retry later", code="rate_limit_exceeded",
-                           headers={"Retry-After": self.retry_after})
-        self.num_open += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.num_open -= 1
-            if self.num_open == 0:
-                self._idle.set()
-
-    async def drain(self, timeout: float) -> bool:
-        """Refuse new requests and wait up to `timeout` seconds for the open ones; True when none is left."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
 
 
 CONFIG = web.AppKey("deepserve_config", ServerConfig)
