@@ -10,12 +10,8 @@
 # bit-exact tests run first, as the baseline of the same machine. Logs land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/cpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+. bench/device_env.sh
+export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 WORKERS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))
 { grep -m1 'model name' /proc/cpuinfo; grep -o 'avx512[a-z]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo;
   python3 -c "import torch; print('torch', torch.__version__, torch.backends.cpu.get_cpu_capability())"; } | tee "$OUT/cpu.txt"
@@ -26,5 +22,5 @@ if [ -d .old/deepserve ]; then
         $BITWISE 2>&1 | tee "$OUT/old_bitwise.log" | tail -15)
 fi
 echo "== this tree's CPU suite ($WORKERS workers)"
-PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -p no:cacheprovider -n "$WORKERS" -m "not gpu" \
+python3 -m pytest -q -p no:cacheprovider -n "$WORKERS" -m "not gpu" \
     --continue-on-collection-errors "$@" 2>&1 | tee "$OUT/cpu_suite.log" | tail -40

@@ -13,15 +13,7 @@
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. bench/device_env.sh
 HF=bench/results/gpu_bench_h200_transformers.json
 PARTS=$1
 shift

@@ -30,6 +30,7 @@ import aiohttp
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 PATHOLOGICAL = "([a-z]{1,30}[0-9]{1,30}){1500}"
+MODEL = "soak"  # the name the server is started with
 
 
 def free_port() -> int:
@@ -66,24 +67,24 @@ class Soak:
     async def one(self, session: aiohttp.ClientSession) -> None:
         r = self.rng.random()
         tokens = self.rng.choice([4, 16, 64, 200])
-        chat = {"model": "m", "messages": [{"role": "user", "content": f"Write a function number {self.rng.randint(0, 99)}."}],
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": f"Write a function number {self.rng.randint(0, 99)}."}],
                 "max_tokens": tokens, "stream": self.rng.random() < 0.7}
         if r < 0.45:
             await self.request(session, "chat", CHAT, chat)
         elif r < 0.60:
             await self.request(session, "completion", COMPLETIONS,
-                               {"model": "m", "prompt": "def f(x):", "max_tokens": tokens, "stream": True})
+                               {"model": MODEL, "prompt": "def f(x):", "max_tokens": tokens, "stream": True})
         elif r < 0.72:
             await self.request(session, "disconnect", CHAT, {**chat, "stream": True, "max_tokens": 200},
                                read_chunks=self.rng.randint(1, 5))
         elif r < 0.78:
             await self.request(session, "abort", CHAT, {**chat, "max_tokens": 200}, timeout=0.3)
         elif r < 0.84:
-            big = {"model": "m", "messages": [{"role": "user", "content": "a " * self.rng.choice([10**5, 10**6])}]}
+            big = {"model": MODEL, "messages": [{"role": "user", "content": "a " * self.rng.choice([10**5, 10**6])}]}
             await self.request(session, "oversized", CHAT, big)
         elif r < 0.90:
             await self.raw(session, "malformed", self.rng.choice(
-                [b"{", b'{"messages": 5}', b"\xff\xfe", b'{"model": "m", "messages": [], "max_tokens": -1}']))
+                [b"{", b'{"messages": 5}', b"\xff\xfe", b'{"model": MODEL, "messages": [], "max_tokens": -1}']))
         elif r < 0.94:
             await self.request(session, "pathological", CHAT, {**chat, "stream": False, "max_tokens": 8,
                                "structured_outputs": {"regex": PATHOLOGICAL, "backend": "outlines"}})
@@ -189,7 +190,7 @@ def main() -> None:
     args = ap.parse_args()
     port = free_port()
     cmd = [sys.executable, "-m", "deepserve", "serve", *([args.model] if args.model else []), "--port", str(port),
-           *args.serve_args.split()]
+           "--served-model-name", MODEL, "--log-level", "warning", *args.serve_args.split()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     server = subprocess.Popen(cmd, env=env)
     base = f"http://127.0.0.1:{port}"

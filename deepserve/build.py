@@ -58,13 +58,19 @@ class EngineParts:
 def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
     """The engine's config from a model directory and options: the model defaults to `DEEPSERVE_MODEL` (or
     DeepInfer's `DEEPINFER_HF_MODEL_DIR`), else the embedded default model; `speculative_config` to
-    `DEEPSERVE_SPECULATIVE_CONFIG`."""
+    `DEEPSERVE_SPECULATIVE_CONFIG`, `batch_invariant` to `DEEPSERVE_BATCH_INVARIANT`."""
     model = model if model is not None else default_model_dir()
     if model is None:
         raise ValueError("no model given: pass LLM(model=PATH) or set DEEPSERVE_MODEL (or DEEPINFER_HF_MODEL_DIR);"
                          " the embedded default model is not installed")
     if options.get("speculative_config") is None:
         options["speculative_config"] = env_value("DEEPSERVE_SPECULATIVE_CONFIG")
+    if options.get("batch_invariant") is None:
+        flag = env_value("DEEPSERVE_BATCH_INVARIANT")
+        if flag is not None and flag.strip():
+            if flag.strip() not in ("0", "1"):
+                raise ValueError(f"DEEPSERVE_BATCH_INVARIANT must be 0 or 1, got {flag!r}")
+            options["batch_invariant"] = flag.strip() == "1"
     return EngineConfig.from_options(model, **options)
 
 

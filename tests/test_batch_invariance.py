@@ -155,3 +155,19 @@ def test_exact_primitives_give_the_same_bits_on_every_machine():
 
 
 EXPECTED_DIGEST = "7eea52de1a630ac4a9bb8b0da4705caffbf8f31d1c5f65e4f2ba2763a70dd40c"
+
+
+def test_batch_invariant_option_picks_the_mode(monkeypatch):
+    from deepserve.build import resolve_config
+    from deepserve.core.config import EngineConfig
+    from deepserve.core.plugins import make_plugin_manager, select_backend
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    assert select_backend(pm, EngineConfig(accelerator="cpu")).exact  # the CPU default: exact
+    assert not select_backend(pm, EngineConfig(accelerator="cpu", batch_invariant=False)).exact
+    monkeypatch.setenv("DEEPSERVE_BATCH_INVARIANT", "0")
+    assert resolve_config("somewhere").batch_invariant is False
+    assert resolve_config("somewhere", batch_invariant=True).batch_invariant is True  # the option wins
+    monkeypatch.setenv("DEEPSERVE_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match="DEEPSERVE_BATCH_INVARIANT must be 0 or 1"):
+        resolve_config("somewhere")

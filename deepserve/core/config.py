@@ -382,6 +382,10 @@ class EngineConfig:
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
       `load_plugins`: load third-party plugins from the `deepserve` entry points.
+    - `batch_invariant`: True asks every backend for ops whose results do not depend on the batch (the CPU
+      reference's exact ops; on NVIDIA its reference ops on the GPU, slow); False for the fastest ones (the CPU
+      reference on torch's kernels: 2.6-4x faster, not batch-invariant); None, each backend's default (CPU
+      exact, NVIDIA fast). `DEEPSERVE_BATCH_INVARIANT` sets it when not given.
     """
 
     model: str | None = None
@@ -404,6 +408,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False
     load_plugins: bool = True
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

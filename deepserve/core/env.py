@@ -38,6 +38,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "when --api-key is not given.",
         ),
         EnvVar(
+            "DEEPSERVE_BATCH_INVARIANT",
+            None,
+            "`1`: batch-invariant ops on every backend (NVIDIA: its reference ops on the GPU, slow); `0`: the "
+            "fastest ops (the CPU reference on torch's kernels, not batch-invariant), when the engine option "
+            "`batch_invariant` is not given. Unset: each backend's default (CPU exact, NVIDIA fast).",
+        ),
+        EnvVar(
             "DEEPSERVE_MODEL",
             "DEEPINFER_HF_MODEL_DIR",
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",

@@ -24,4 +24,5 @@ def deepserve_select_backend(config: EngineConfig) -> Backend | None:
         return None
     from deepserve.backends.nvidia import NvidiaBackend
 
-    return NvidiaBackend(device=config.device or "cuda:0")
+    # batch_invariant=True: the reference ops on the GPU (batch-invariant, slow); else the kernels
+    return NvidiaBackend(device=config.device or "cuda:0", fast=config.batch_invariant is not True)

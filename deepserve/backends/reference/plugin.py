@@ -14,4 +14,5 @@ def deepserve_select_backend(config: EngineConfig) -> Backend | None:
         return None
     from deepserve.backends.reference import ReferenceBackend
 
-    return ReferenceBackend(device=config.device or "cpu")
+    # exact ops unless the config asks for speed (batch_invariant=False)
+    return ReferenceBackend(device=config.device or "cpu", exact=config.batch_invariant is not False)
