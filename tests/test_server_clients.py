@@ -304,7 +304,7 @@ ERRORS = {
     "openai-responses-unknown-model": (lambda c: c.oai.responses.create(model="nope", input="hi"),
                                        openai.NotFoundError, 404, "model"),
     "openai-bad-temperature": (lambda c: c.oai.chat.completions.create(model=MODEL, messages=USER, temperature=5),
-                               openai.BadRequestError, 400, None),
+                               openai.BadRequestError, 400, "temperature"),
     "openai-completions-bad-max-tokens": (lambda c: c.oai.completions.create(model=MODEL, prompt="hi",
                                                                              max_tokens=-1),
                                           openai.BadRequestError, 400, "max_tokens"),

@@ -19,7 +19,7 @@ from aiohttp import web
 from deepserve.async_api import AsyncEngine
 from deepserve.core.plugins import collect_registrations, make_plugin_manager
 from deepserve.server.config import ServerConfig
-from deepserve.server.errors import auth_middleware, error_middleware
+from deepserve.server.errors import auth_middleware, error_middleware, quiet_client_errors
 from deepserve.server.loop_lag import lag_monitor_context
 from deepserve.server.metrics import ServerMetrics
 from deepserve.server.pool import pool_context
@@ -41,6 +41,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
     """The deepserve app for `config`. Routes from `deepserve_register_routes` plugins are added now (each
     factory is called with this app); `engine_factory` (default: `AsyncEngine.from_pretrained(config.model,
     **config.engine_options)`) runs in a thread when the app starts."""
+    quiet_client_errors()
     middlewares = [error_middleware] + ([auth_middleware(config.api_key)] if config.api_key else [])
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config

@@ -54,7 +54,6 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
     for name, is_set in _UNSUPPORTED.items():
         if is_set(body.get(name)):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
-    _check_type(body, "stream", bool)
     _check_type(body, "echo", bool)
     _check_type(body, "stream_options", dict)
     _check_type(body, "stop_token_ids", list)

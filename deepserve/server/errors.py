@@ -4,6 +4,9 @@ A handler raises `ApiError(status, message, param=...)`; `error_middleware` rend
 (`{"error": {"message", "type", "param", "code"}}`) or, under `/v1/messages`, as Anthropic's
 (`{"type": "error", "error": {"type", "message"}}`). aiohttp's own HTTP errors (unknown route, wrong method,
 body too large) get the same treatment, and an unexpected exception becomes a logged 500 without details.
+Client errors are logged quietly: an `ApiError` not at all (the access log has its status), a request aiohttp
+cannot even parse (a NUL byte in a header, a bad Content-Length) as one INFO line instead of aiohttp's ERROR
+with a traceback (`quiet_client_errors`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +127,29 @@ def auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[
         return await handler(request)
 
     return auth
+
+
+class _ClientErrorFilter(logging.Filter):
+    """On aiohttp's server logger: a 4xx parse error (the client's mistake; it got its 400) becomes one INFO line
+    without a traceback, dropped where INFO is not logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= (exc.code or 0) < 500:
+            return True
+        detail = exc.message.strip().split("\n", 1)[0].rstrip(":") if exc.message else type(exc).__name__
+        record.msg, record.args = "deepserve: answered %d to a malformed HTTP request (%s; %s)", \
+            (exc.code, detail, record.getMessage())
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+
+
+_CLIENT_ERROR_FILTER = _ClientErrorFilter()
+
+
+def quiet_client_errors() -> None:
+    """Install the filter on aiohttp's server logger (once per process, whatever the number of apps)."""
+    server_logger = logging.getLogger("aiohttp.server")
+    if _CLIENT_ERROR_FILTER not in server_logger.filters:
+        server_logger.addFilter(_CLIENT_ERROR_FILTER)

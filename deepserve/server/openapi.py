@@ -16,6 +16,7 @@ from aiohttp import web
 
 from deepserve import __version__
 from deepserve.server.config import ServerConfig
+from deepserve.server.validation import MAX_SEED, MAX_STOP_STRINGS
 
 _STR, _INT, _BOOL, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"}
 _OBJ = {"type": "object"}
@@ -30,16 +31,13 @@ def _object(required: list[str], properties: dict[str, Any], extra: bool = True)
 
 
 _TEXT = {"type": "string", "minLength": 1}
-_STOP = _nullable({"anyOf": [_TEXT, {"type": "array", "items": _TEXT}]})
-# what deepseek-recipe accepts (temperature up to 2, seeds below 2**63) ...
+_STOP = _nullable({"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}]})
+# every generation route's rules (deepserve.server.validation: deepseek-recipe's ranges for chat)
 _SAMPLING = {"temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
              "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
              "top_k": _nullable({"type": "integer", "minimum": -1, "description": "deepserve extension"}),
-             "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+             "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED - 1}),
              "stream": _nullable(_BOOL)}
-# ... and what `SamplingParams` accepts, for /v1/completions
-_COMPLETION_SAMPLING = {**_SAMPLING, "temperature": _nullable({"type": "number", "minimum": 0}),
-                        "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1})}
 
 
 # structured output (deepserve.server.structured): exactly one constraint per request, else a 400 naming the fields
@@ -109,7 +107,7 @@ SCHEMAS: dict[str, Any] = {
         "model": _STR, "prompt": {"anyOf": [_STR, {"type": "array", "items": _INT, "minItems": 1},
                                             {"type": "array", "maxItems": 1, "minItems": 1,
                                              "items": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}]},
-        **_COMPLETION_SAMPLING, "stop": _STOP, "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+        **_SAMPLING, "stop": _STOP, "max_tokens": _nullable({"type": "integer", "minimum": 1}),
         "n": _nullable({"const": 1}), "echo": _nullable(_BOOL),
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
         "stream_options": _nullable(_object([], {"include_usage": _BOOL})), "user": _nullable(_STR),
@@ -134,10 +132,11 @@ SCHEMAS: dict[str, Any] = {
         "id": _STR, "object": {"const": "response"}, "status": _STR, "model": _STR,
         "output": {"type": "array", "items": _OBJ}, "usage": _nullable(_OBJ)}),
     "MessagesRequest": _object(["model", "messages", "max_tokens"], {
-        "model": _STR, "messages": _messages(["system", "user", "assistant"]),
+        "model": _STR, "messages": _messages(["user", "assistant"]),
         "max_tokens": {"type": "integer", "minimum": 1},
         "system": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
-        "stop_sequences": _nullable({"type": "array", "items": _STR}), "thinking": _nullable(_OBJ),
+        "stop_sequences": _nullable({"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}),
+        "thinking": _nullable(_OBJ),
         "tools": _nullable({"type": "array", "items": _OBJ}), "output_format": _ANTHROPIC_FORMAT,
         "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), **_GUIDED}),
     "Message": _object(["id", "type", "role", "content", "model"], {

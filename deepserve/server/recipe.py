@@ -122,7 +122,6 @@ class RecipeCodec:
         tool_map = _recipe(lambda: request.namespace_tool_map(self.options), protocol, body) \
             if protocol is RESPONSES else None
         conv = _recipe(lambda: request.convert(self.options), protocol, body)
-        _check_conversation(protocol, conv)
         constraint = _constraint(protocol, conv, body)
         spec = to_spec(constraint) if constraint is not None else None
         if constraint is not None and conv.conversation.thinking_mode:
@@ -134,7 +133,7 @@ class RecipeCodec:
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
         max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)
-        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body.get("top_k"), spec))
+        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
         generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
         if echo is not None:
@@ -155,13 +154,6 @@ class RecipeCodec:
         return _recipe(lambda: request.convert(self.options_without_thinking), protocol, body)
 
 
-def _check_conversation(protocol: Protocol, conv: dr.ConversationRequest) -> None:
-    for message in conv.conversation.messages:
-        for source in message.image_sources:
-            raise ApiError(400, f"image input is not supported: this model has no vision encoder ({source.path})",
-                           param=source.path or "messages", code="unsupported")
-
-
 def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str, Any]) -> Constraint | None:
     """The one constraint of a request: the recipe's `output_constraint` (`response_format`, `text.format`),
     Anthropic's output format (which the recipe does not carry), or the `structured_outputs` / `guided_*`
@@ -172,13 +164,16 @@ def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str
     return single(found + body_constraints(body))
 
 
-def _sampling_params(options: dr.InferenceOptions, max_tokens: int, top_k: Any,
+def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[str, Any],
                      structured_outputs: GrammarSpec | None = None) -> SamplingParams:
+    """The recipe's options plus what it does not carry: `top_k` on every protocol, `seed` on Responses and
+    Messages (validated with the other routes' fields: `deepserve.server.validation`)."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
+    top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
     try:
         return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
                               top_p=1.0 if options.top_p is None else options.top_p,
-                              top_k=0 if top_k is None else top_k, seed=options.seed, max_tokens=max_tokens,
+                              top_k=0 if top_k is None else top_k, seed=seed, max_tokens=max_tokens,
                               logprobs=logprobs, structured_outputs=structured_outputs)
     except ValueError as exc:
         raise sampling_error(exc) from None

@@ -17,6 +17,7 @@ from deepserve.server.openapi import build_openapi
 from deepserve.server.pool import run_in_pool
 from deepserve.server.recipe import CHAT, MESSAGES, RESPONSES, Protocol
 from deepserve.server.state import ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, ModelInfo
+from deepserve.server.validation import validate
 from deepserve.server.watchdog import WATCHDOG
 
 
@@ -37,6 +38,7 @@ async def _recipe_endpoint(request: web.Request, protocol: Protocol) -> web.Stre
         raw, body = await read_json_object(request)
         model = request.app[MODEL]
         require_model(body, model.name)
+        validate(protocol.name, body)
         prepared = await run_in_pool(request.app, request.app[RECIPE].prepare, protocol, raw, body, model)
         return await serve_prepared(request, prepared, ticket)
 
@@ -57,6 +59,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     with request.app[ADMISSION].admit() as ticket:
         _, body = await read_json_object(request)
         require_model(body, request.app[MODEL].name)
+        validate("completions", body)
         return await handle_completions(request, body, ticket)
 
 
