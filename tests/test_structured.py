@@ -264,15 +264,13 @@ def make_scheduler() -> Scheduler:
 
 
 def grammar_request(request_id: str, num_prompt: int) -> Request:
-    request = Request(request_id, list(range(2, 2 + num_prompt)), SamplingParams(max_tokens=4))
-    request.awaiting_grammar = True
-    return request
+    return Request(request_id, list(range(2, 2 + num_prompt)), SamplingParams(max_tokens=4))
 
 
 def test_a_request_waiting_for_its_grammar_prefills_but_does_not_sample():
     scheduler = make_scheduler()
     waiting = grammar_request("g", 10)
-    scheduler.add_request(waiting)
+    scheduler.add_request(waiting, awaiting_grammar=True)
     scheduler.add_request(Request("free", [5, 6, 7], SamplingParams(max_tokens=4)))
     plan = scheduler.schedule()
     chunks = {c.request_id: c for c in plan.chunks}
@@ -283,7 +281,7 @@ def test_a_request_waiting_for_its_grammar_prefills_but_does_not_sample():
     assert [c.request_id for c in plan.chunks] == ["free"]  # nothing of g runs while it waits
     scheduler.update_from_output(plan, {"free": 9})
     assert waiting.num_computed_tokens == 9
-    waiting.awaiting_grammar = False
+    scheduler.grammar_ready("g")
     chunks = {c.request_id: c for c in scheduler.schedule().chunks}
     assert chunks["g"].start == 9 and chunks["g"].token_ids == (11,) and chunks["g"].samples
 
@@ -291,11 +289,11 @@ def test_a_request_waiting_for_its_grammar_prefills_but_does_not_sample():
 def test_a_waiting_request_with_nothing_to_prefill_does_not_block_the_queue():
     scheduler = make_scheduler()
     blocked = grammar_request("g", 1)  # its one prompt token is its sampling position
-    scheduler.add_request(blocked)
+    scheduler.add_request(blocked, awaiting_grammar=True)
     scheduler.add_request(Request("next", [5, 6], SamplingParams(max_tokens=4)))
     plan = scheduler.schedule()
     assert [c.request_id for c in plan.chunks] == ["next"]
     assert list(scheduler.waiting) == [blocked] and not scheduler.kv.block_tables.get("g")
     scheduler.update_from_output(plan, {"next": 9})
-    blocked.awaiting_grammar = False
+    scheduler.grammar_ready("g")
     assert {c.request_id: c.samples for c in scheduler.schedule().chunks} == {"next": True, "g": True}

@@ -183,8 +183,7 @@ class EngineCore:
         detok = self.make_detokenizer(request.prompt_token_ids, params.skip_special_tokens) \
             if self.make_detokenizer else None
         future = self.grammars.submit(spec) if spec is not None else None  # raises for an unknown backend
-        request.awaiting_grammar = spec is not None
-        self.scheduler.add_request(request)  # validates; raises before anything is recorded
+        self.scheduler.add_request(request, awaiting_grammar=spec is not None)  # validates; raises first
         tracker = self._trackers[request_id] = RequestTracker(
             request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output),
             final_only, views)
@@ -283,7 +282,7 @@ class EngineCore:
             if self.num_speculative_tokens:
                 speculate = self.num_speculative_tokens if c.samples and self._may_draft(tracker) else 0
                 if c.samples:
-                    request.num_drafts_in_flight = speculate
+                    self.scheduler.drafts_in_flight(c.request_id, speculate)
                 else:
                     next_token = request.all_token_ids[end]
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
@@ -404,7 +403,7 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - any failure of the user's grammar ends only this request
                 outputs.append(self._finish_request(tracker, "abort", f"{GRAMMAR_ERROR_PREFIX}{exc}"))
                 continue
-            tracker.request.awaiting_grammar = False
+            self.scheduler.grammar_ready(request_id)
             if grammar.matcher.is_terminated():  # a grammar that only accepts the empty string
                 outputs.append(self._finish_request(tracker, "stop", None))
         return outputs

@@ -144,8 +144,9 @@ class Scheduler:
         """Requests finished since the last `schedule()`, whose runner state the next step output frees."""
         return bool(self._finished_ids)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request. Its prompt must leave room for at least one output token in `max_model_len`."""
+    def add_request(self, request: Request, awaiting_grammar: bool = False) -> None:
+        """Queue a new request. Its prompt must leave room for at least one output token in `max_model_len`.
+        `awaiting_grammar`: its grammar is still compiling; it prefills but does not sample until `grammar_ready`."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
@@ -154,9 +155,19 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens; "
                              f"max_model_len={self.max_model_len} leaves no room for output")
         request.arrival_order = self._num_arrivals
+        request.awaiting_grammar = awaiting_grammar
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def grammar_ready(self, request_id: str) -> None:
+        """The request's grammar has compiled: it may sample from its next step on."""
+        self.requests[request_id].awaiting_grammar = False
+
+    def drafts_in_flight(self, request_id: str, num_drafts: int) -> None:
+        """The step being launched drafts `num_drafts` tokens for the request (what the next plan, made before
+        that step's outputs come back, holds as placeholders)."""
+        self.requests[request_id].num_drafts_in_flight = num_drafts
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish these requests with reason "abort" and free their pages; unknown or finished ids are ignored.
