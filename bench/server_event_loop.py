@@ -3,7 +3,8 @@
 Starts `deepserve serve` (the embedded default model unless --model is given) on a free port, opens a long
 stream, then posts one large chat (or completions) body while polling `/health` every 20 ms. Prints, as JSON:
 the large request's status, error code and seconds; the slowest `/health` answer while it was in flight; the
-longest gap between two chunks of the stream meanwhile; the server's event-loop lag histogram afterwards.
+longest gap between two chunks of the stream meanwhile; the server's event-loop lag histogram afterwards; and
+the server's resident memory before and after it posts the body `--repeat` times more.
 
     .venv/bin/python bench/server_event_loop.py                      # a 4 MB chat body ("a " * 2**21)
     .venv/bin/python bench/server_event_loop.py --route completions --mb 10
@@ -60,7 +61,12 @@ async def stream_gaps(session: aiohttp.ClientSession, model: str, gaps: list[flo
                     return
 
 
-async def run(args: argparse.Namespace, base: str, model: str) -> dict:
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+async def run(args: argparse.Namespace, base: str, model: str, pid: int) -> dict:
     text = "a " * (args.mb * 2**20 // 2) if args.chars is None else "a" * args.chars
     if args.route == "chat":
         path, body = "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}],
@@ -88,12 +94,17 @@ async def run(args: argparse.Namespace, base: str, model: str) -> dict:
         answer = await response.json()
         stop.set()
         await asyncio.wait_for(streaming, 60)
+        rss_before = rss_mib(pid)
+        for _ in range(args.repeat):
+            await (await session.post(path, data=io.BytesIO(raw), headers={"Content-Type": "application/json"})).read()
+        rss_after = rss_mib(pid)
         lag = [line for line in (await (await session.get("/metrics")).text()).splitlines()
                if line.startswith("deepserve_event_loop_lag_seconds") and not line.startswith("#")]
     return {"route": path, "body_bytes": len(raw), "status": response.status,
             "code": (answer.get("error") or {}).get("code"), "seconds": round(seconds, 3),
             "health_polls": len(health), "health_max_seconds": round(max(health, default=0.0), 3),
             "stream_max_gap_seconds": round(max(gaps, default=0.0), 3),
+            "rss_mib_before_repeats": round(rss_before), "rss_mib_after_repeats": round(rss_after),
             "event_loop_lag": {line.split(" ")[0]: float(line.split(" ")[1]) for line in lag
                                if "_count" in line or "_sum" in line or 'le="0.5"' in line}}
 
@@ -105,6 +116,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=4, help="body size in MiB (text 'a a a ...')")
     parser.add_argument("--chars", type=int, default=None, help="instead of --mb: a prompt of this many 'a's")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=5, help="posts of the body after the measured one (RSS)")
     args = parser.parse_args()
     port, name = free_port(), "bench"
     cmd = [sys.executable, "-m", "deepserve", "serve", *([args.model] if args.model else []), "--port", str(port),
@@ -117,7 +129,7 @@ def main() -> None:
         async def go() -> dict:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
                 await wait_healthy(session, proc)
-            return await run(args, f"http://127.0.0.1:{port}", name)
+            return await run(args, f"http://127.0.0.1:{port}", name, proc.pid)
 
         print(json.dumps(asyncio.run(go()), indent=2))
     finally:
