@@ -65,8 +65,7 @@ async def read_first_event(response) -> str:
 
 
 @pytest.mark.parametrize("path", list(BODIES))
-async def test_streams_open_at_the_drain_timeout_end_with_the_protocols_error_event(aiohttp_client, chat_dir,  # noqa: F811
-                                                                                    path):
+async def test_streams_open_at_the_drain_timeout_end_with_the_error_event(aiohttp_client, chat_dir, path):  # noqa: F811
     client = await aiohttp_client(make_app(chat_dir, drain_timeout=0))
     app, gate = client.app, StepGate(client.app)
     response = await client.post(path, json={**BODIES[path], "stream": True})
