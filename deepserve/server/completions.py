@@ -27,8 +27,8 @@ from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
-from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, compile_grammar, grammar_failure, \
-    response_format_constraint, single, to_spec
+from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
+    grammar_failure, response_format_constraint, single, to_spec
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
@@ -118,7 +118,7 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     model, engine = request.app[MODEL], request.app[ENGINE]
     text, ids, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
     if params.structured_outputs is not None:
-        await compile_grammar(engine.engine, params.structured_outputs, constraint_field)
+        await compile_grammar(engine.engine, params.structured_outputs, constraint_field, client_of(request))
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
