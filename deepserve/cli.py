@@ -56,6 +56,26 @@ def engine_options(args: argparse.Namespace) -> dict:
     return engine_kwargs
 
 
+def thinking_default(args: argparse.Namespace) -> bool:
+    """The server's thinking mode: `--thinking on|off`, or vLLM's `--default-chat-template-kwargs '{"thinking":
+    true}'` (`enable_thinking` too), which must agree when both are given; off when neither is."""
+    from deepserve.server.dialects import thinking_switch
+
+    flag = None if args.thinking is None else args.thinking == "on"
+    kwargs = None
+    if args.default_chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking\": true}'")
+        kwargs = thinking_switch(kwargs, "--default-chat-template-kwargs")
+    if flag is not None and kwargs is not None and flag != kwargs:
+        raise ValueError(f"--thinking {args.thinking} and --default-chat-template-kwargs disagree")
+    return next((mode for mode in (flag, kwargs) if mode is not None), False)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from deepserve.core.env import env_value
     from deepserve.server import ServerConfig, run_server
@@ -69,9 +89,10 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           drain_timeout=args.drain_timeout, engine_step_timeout=args.engine_step_timeout,
-                          default_thinking_mode=args.thinking == "on",
+                          default_thinking_mode=thinking_default(args),
                           structured_outputs_backend=args.structured_outputs_backend,
-                          grammar_compile_timeout=args.grammar_compile_timeout, engine_kwargs=engine_kwargs)
+                          grammar_compile_timeout=args.grammar_compile_timeout,
+                          default_max_tokens=args.default_max_tokens, engine_kwargs=engine_kwargs)
     run_server(config, args.host, args.port)
     return 0
 
@@ -99,8 +120,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--thinking", choices=["on", "off"], default="on",
-                       help="thinking mode for chat requests that do not choose (deepseek-recipe's default: on)")
+    serve.add_argument("--thinking", choices=["on", "off"], default=None,
+                       help="thinking mode for chat and Responses requests that do not choose (default: off)")
+    serve.add_argument("--default-chat-template-kwargs", default=None,
+                       help='vLLM\'s spelling of --thinking: \'{"thinking": true}\' (or "enable_thinking"); other '
+                       "keys are not read")
+    serve.add_argument("--default-max-tokens", type=int, default=4096,
+                       help="output limit of a chat or Responses request that sets none, lowered to the context "
+                       "the prompt leaves (default: 4096)")
     serve.add_argument("--structured-outputs-backend", default=None,
                        help="grammar backend plugin for constrained requests that name none (default: llguidance)")
     serve.add_argument("--grammar-compile-timeout", type=float, default=None,

@@ -74,7 +74,8 @@ def _engine_context(factory: EngineFactory) -> Callable[[web.Application], Async
         try:
             app[ENGINE] = engine
             app[MODEL] = await asyncio.to_thread(ModelInfo.from_engine, engine, config)
-            app[RECIPE] = RecipeCodec(config.model, config.model_name, config.default_thinking_mode)
+            app[RECIPE] = RecipeCodec(config.model, config.model_name, config.default_thinking_mode,
+                                       config.default_max_tokens)
             if app[RECIPE].unavailable:
                 logger.warning("deepserve: chat endpoints disabled: %s", app[RECIPE].unavailable)
             capacity = engine.engine.scheduler.max_num_seqs + config.max_waiting_requests

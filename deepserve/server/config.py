@@ -9,6 +9,8 @@ from typing import Any
 
 #: server options that are engine (`LLM`) options of the same name
 _ENGINE_OPTIONS = ("structured_outputs_backend", "grammar_compile_timeout")
+#: the output limit of a chat, Responses request that sets none (lowered to the context the prompt leaves)
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +22,12 @@ class ServerConfig:
     requests are open at once; one more gets 429 with `Retry-After`. `api_key` (when set) guards every `/v1/`
     route. A body over `max_body_bytes` gets 413. On shutdown, in-flight requests get `drain_timeout` seconds to
     finish before they are aborted. `/health` answers 503 while the engine has work and no step has completed
-    for `engine_step_timeout` seconds. `default_thinking_mode` is deepseek-recipe's default for requests that do
-    not say (DeepSeek's API default is on). `structured_outputs_backend` (the grammar backend plugin for requests
+    for `engine_step_timeout` seconds. `default_thinking_mode` is the thinking mode of chat and Responses requests
+    that do not choose (off: a plain OpenAI client gets its answer in `content`, as vLLM serves DeepSeek's hybrid
+    models; Messages requests think only when they ask, as Anthropic's API does). `structured_outputs_backend` (the grammar backend plugin for requests
     that name none) and `grammar_compile_timeout` (seconds a constraint may take to compile; past it the request
-    gets 400) go to the engine when set; None keeps the engine's defaults (`llguidance`, 10 s).
+    gets 400) go to the engine when set; None keeps the engine's defaults (`llguidance`, 10 s). A chat or Responses
+    request that sets no output limit gets `default_max_tokens`, lowered to the context its prompt leaves.
     """
 
     model: str
@@ -34,9 +38,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     engine_step_timeout: float = 60.0
     retry_after_seconds: int = 1
-    default_thinking_mode: bool = True
+    default_thinking_mode: bool = False
     structured_outputs_backend: str | None = None
     grammar_compile_timeout: float | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,6 +69,8 @@ class ServerConfig:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0 or timeout == float("inf")):
             raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got {timeout!r}")
+        if type(self.default_max_tokens) is not int or self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
         for name in _ENGINE_OPTIONS:
             if getattr(self, name) is not None and name in self.engine_kwargs:
                 raise ValueError(f"{name} is given twice: as a server option and in engine_kwargs")

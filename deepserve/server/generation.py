@@ -62,6 +62,7 @@ class _Translator:
         self.eos_token_ids, self.timer = eos_token_ids, timer
         self.num_prompt_tokens = len(prepared.prompt_token_ids)
         self.num_sent = 0
+        self.usage = prepared.usage
         self.reason = "stop"
         self.failed = False  # the response ended with the protocol's error event
 
@@ -75,6 +76,7 @@ class _Translator:
         if end > self.num_sent:
             logprobs = _logprobs(completion.token_ids, completion.logprobs, self.num_sent, end, self.params.logprobs)
             events += self.processor.push(dr.InferenceChunk.tokens(completion.token_ids[self.num_sent:end], logprobs))
+            self.usage.add(completion.token_ids[self.num_sent:end])
             self.timer.tokens(end - self.num_sent)
             self.num_sent = end
         if out.finished and not self.processor.finished:
@@ -84,6 +86,7 @@ class _Translator:
                     raise failure
                 raise shutdown_error()  # only the server aborts a request whose handler still reads it
             self.reason = completion.finish_reason
+            self.usage.add(completion.token_ids[end:], text=False)  # the final EOS
             events += self.processor.push(dr.InferenceChunk.finish(_FINISH[self.reason]))
             events += self.processor.finish()
         return events
@@ -111,8 +114,9 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
                 elif first:
                     accumulated = response_type(prepared.request_id, model.name, int(time.time()),
                                                 translator.num_prompt_tokens, out.num_cached_tokens)
-                if sse is not None:
-                    await sse.write(b"".join(sse_message(e.to_json(), response_type.sse_event_name(e))
+                if sse is not None:  # the usage is in the events that end the response
+                    patch = translator.usage.patch if translator.done else _same
+                    await sse.write(b"".join(sse_message(patch(e.to_json()), response_type.sse_event_name(e))
                                              for e in events))
                 else:
                     for event in events:
@@ -133,12 +137,17 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
             if not translator.done:
                 prepared.processor.close()
     if sse is None:
-        return web.Response(text=accumulated.to_json(), content_type="application/json"), translator.reason
+        return web.Response(text=translator.usage.patch(accumulated.to_json()), content_type="application/json"), \
+            translator.reason
     done = response_type.sse_done_data()
     if done is not None and not translator.failed:
         await sse.write(sse_message(done))
     await sse.write_eof()
     return sse, translator.reason
+
+
+def _same(data: str) -> str:
+    return data
 
 
 def _num_text_tokens(out: RequestOutput, eos_token_ids: Sequence[int]) -> int:

@@ -23,6 +23,9 @@ import deepseek_recipe as dr
 
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.structured import GrammarSpec
+from deepserve.server.config import DEFAULT_MAX_TOKENS
+from deepserve.server.dialects import rewrite
+from deepserve.server.usage import OutputUsage
 from deepserve.server.errors import ApiError, sampling_error
 from deepserve.server.structured import THINKING_END, Constraint, after_thinking, anthropic_constraints, \
     body_constraints, recipe_constraint, single, to_spec
@@ -66,8 +69,8 @@ MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
 
 @dataclass(slots=True)
 class Prepared:
-    """A converted request, ready for the engine: prompt ids, sampling parameters and its stream processor.
-    `constraint_field` names the field that asked for `params.structured_outputs` (None: unconstrained)."""
+    """A converted request, ready for the engine: prompt ids, sampling parameters, its stream processor and the
+    counter of its output usage. `constraint_field` names the field that asked for `params.structured_outputs` (None: unconstrained)."""
 
     protocol: Protocol
     request_id: str
@@ -75,6 +78,7 @@ class Prepared:
     params: SamplingParams
     stream: bool
     processor: dr.StreamProcessor
+    usage: OutputUsage
     constraint_field: str | None = None
 
 
@@ -82,12 +86,13 @@ class RecipeCodec:
     """deepseek-recipe set up for the served model: its tokenizer, the V4 prompt encoding, conversion options
     that accept exactly the served model name. `unavailable` says why chat cannot work with this tokenizer."""
 
-    def __init__(self, model_dir: str, model_name: str, default_thinking_mode: bool) -> None:
+    def __init__(self, model_dir: str, model_name: str, default_thinking_mode: bool,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
         self.version = dr.ModelVersion.DeepseekV4Pro  # V4.1 checkpoints: DeepseekV41Flash + DeepseekV41Encoding
-        self.options = self._options(default_thinking_mode)
-        # a constrained request that does not choose runs without thinking (see `_constrained_conversion`)
-        self.options_without_thinking = self._options(False) if default_thinking_mode else None
+        self.default_thinking_mode = default_thinking_mode
+        self.options = {mode: self._options(mode) for mode in (False, True)}
         file = Path(model_dir) / "tokenizer.json"
         self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
@@ -117,22 +122,24 @@ class RecipeCodec:
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
         if protocol is MESSAGES and body.get("max_tokens") is None:  # required by Anthropic's API and our document
             raise ApiError(400, "'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
+        raw, body = rewrite(protocol.name, raw, body)
         request = _recipe(lambda: protocol.request_type(raw), protocol, body)
         echo = _recipe(request.echo, protocol, body) if protocol is RESPONSES else None
-        tool_map = _recipe(lambda: request.namespace_tool_map(self.options), protocol, body) \
+        default_thinking = self.thinking_default(protocol)
+        tool_map = _recipe(lambda: request.namespace_tool_map(self.options[default_thinking]), protocol, body) \
             if protocol is RESPONSES else None
-        conv = _recipe(lambda: request.convert(self.options), protocol, body)
+        conv = _recipe(lambda: request.convert(self.options[default_thinking]), protocol, body)
         constraint = _constraint(protocol, conv, body)
         spec = to_spec(constraint) if constraint is not None else None
-        if constraint is not None and conv.conversation.thinking_mode:
-            conv = self._constrained_conversion(protocol, raw, body, conv)
-            if conv.conversation.thinking_mode:  # asked for: the answer after the thinking is constrained
-                spec = after_thinking(spec, self.thinking_end_ids, constraint.field)
+        if constraint is not None and conv.conversation.thinking_mode and default_thinking:
+            conv = self._constrained_conversion(protocol, raw, body)
+        if constraint is not None and conv.conversation.thinking_mode:  # asked for: constrained after the thinking
+            spec = after_thinking(spec, self.thinking_end_ids, constraint.field)
         rendered = _recipe(lambda: self.encoding.render_conversation(conv.conversation), protocol, body)
         model.check_prompt_text(rendered.prompt)  # milliseconds; tokenizing an oversized prompt takes seconds
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
-        max_tokens = _recipe(lambda: conv.resolve_max_tokens(len(ids), model.max_model_len), protocol, body)
+        max_tokens = self._max_tokens(conv, protocol, body, len(ids), model.max_model_len)
         params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
         generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
@@ -141,17 +148,30 @@ class RecipeCodec:
         if tool_map:
             generator = generator.with_namespace_tool_map(tool_map)
         processor = dr.StreamProcessor(generator, conv.parsing_options, self.tokenizer)
-        return Prepared(protocol, request_id, ids, params, conv.stream, processor,
+        stage = conv.parsing_options.thinking_initial_stage
+        end_id = self.thinking_end_ids[0] if len(self.thinking_end_ids) == 1 else None
+        usage = OutputUsage(stage is not None and stage.starts_in_reasoning(), end_id)
+        return Prepared(protocol, request_id, ids, params, conv.stream, processor, usage,
                         constraint.field if constraint is not None else None)
 
-    def _constrained_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any],
-                                conv: dr.ConversationRequest) -> dr.ConversationRequest:
-        """The conversion of a constrained request: without thinking when thinking came from the server's default
-        (a constrained answer then starts at once), in thinking mode when the request asked for it."""
-        if self.options_without_thinking is None:
-            return conv
+    def _max_tokens(self, conv: dr.ConversationRequest, protocol: Protocol, body: dict[str, Any],
+                    num_prompt_tokens: int, max_model_len: int) -> int:
+        """The request's own limit (past the context: the recipe's 400), else `default_max_tokens` lowered to the
+        context the prompt leaves (the recipe's own default would be 8,192, or 65,536 tokens when thinking)."""
+        if conv.inference_options.max_tokens is not None:
+            return _recipe(lambda: conv.resolve_max_tokens(num_prompt_tokens, max_model_len), protocol, body)
+        return max(1, min(self.default_max_tokens, max_model_len - num_prompt_tokens))
+
+    def thinking_default(self, protocol: Protocol) -> bool:
+        """The thinking mode of a request that does not choose: the server's, except on Messages, where Anthropic's
+        API thinks only when the request asks (`thinking`), whatever the server's default."""
+        return False if protocol is MESSAGES else self.default_thinking_mode
+
+    def _constrained_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any]) -> dr.ConversationRequest:
+        """The conversion of a constrained request whose thinking came from the server's default: without thinking
+        (a constrained answer then starts at once); a request that asked for thinking keeps it."""
         request = _recipe(lambda: protocol.request_type(raw), protocol, body)
-        return _recipe(lambda: request.convert(self.options_without_thinking), protocol, body)
+        return _recipe(lambda: request.convert(self.options[False]), protocol, body)
 
 
 def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str, Any]) -> Constraint | None:
