@@ -4,6 +4,8 @@ check limits, modes and roles, not words)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from test_server import MODEL, USER, chat_dir, client, make_app  # noqa: F401 - fixtures
@@ -134,3 +136,41 @@ def test_a_contradictory_or_bad_server_switch_is_an_error(argv):
 
     with pytest.raises(ValueError):
         thinking_default(build_parser().parse_args(["serve", *argv]))
+
+
+# -- item 6: roles and content ---------------------------------------------------------------------------------------
+def prompt_ids(app, protocol, body: dict) -> list[int]:
+    from deepserve.server.state import MODEL as MODEL_INFO, RECIPE
+
+    prepared = app[RECIPE].prepare(protocol, json.dumps(body).encode(), body, app[MODEL_INFO])
+    prepared.processor.close()
+    return prepared.prompt_token_ids
+
+
+async def test_the_developer_role_is_the_system_role(client):
+    from deepserve.server.recipe import CHAT, RESPONSES
+
+    def chat(role: str) -> dict:
+        return {"model": MODEL, "messages": [{"role": role, "content": "Be brief."}, *USER]}
+
+    def responses(role: str) -> dict:
+        return {"model": MODEL, "input": [{"type": "message", "role": role, "content": [
+            {"type": "input_text", "text": "Be brief."}]}, {"role": "user", "content": "hi"}]}
+
+    for protocol, body in ((CHAT, chat), (RESPONSES, responses)):
+        developer = prompt_ids(client.app, protocol, body("developer"))
+        assert developer == prompt_ids(client.app, protocol, body("system"))
+        assert developer != prompt_ids(client.app, protocol, body("user"))
+    r = await client.post("/v1/chat/completions", json={**chat("developer"), "max_completion_tokens": 2})
+    assert r.status == 200, await r.text()
+    r = await client.post("/v1/responses", json={**responses("developer"), "max_output_tokens": 2})
+    assert r.status == 200, await r.text()
+
+
+async def test_an_image_is_refused_until_the_vision_encoder_exists(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    r = await client.post("/v1/chat/completions", json={**GREEDY, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+    error = (await r.json())["error"]
+    assert r.status == 400 and error["param"] == "messages[0].content[1]", error
+    assert "vision-encoder role" in error["message"], error

@@ -8,7 +8,10 @@ unchanged, bytes and all, when nothing needed rewriting:
 - chat `chat_template_kwargs` (vLLM's switch, sent by lm-eval and vLLM users): `{"thinking": bool}` or
   `{"enable_thinking": bool}` becomes DeepSeek's `thinking: {"type": "enabled" | "disabled"}`, unless the
   request sets `thinking` itself. The recipe reads `thinking` before `reasoning_effort` (`"none"`: off), so the
-  order is: `thinking`, then `chat_template_kwargs`, then `reasoning_effort`, then the server's default.
+  order is: `thinking`, then `chat_template_kwargs`, then `reasoning_effort`, then the server's default;
+- the `developer` role (OpenAI's name for system instructions to reasoning models, sent by the openai SDK and
+  litellm) is `system`, in chat `messages` and Responses `input` (the recipe refused it in chat and read it as
+  `user` in Responses).
 """
 
 from __future__ import annotations
@@ -64,9 +67,25 @@ def _max_completion_tokens(body: dict[str, Any]) -> bool:
     return True
 
 
+def _developer_role(key: str) -> Callable[[dict[str, Any]], bool]:
+    def rewrite_roles(body: dict[str, Any]) -> bool:
+        items = body.get(key)
+        if not isinstance(items, list) or not any(_is_developer(item) for item in items):
+            return False
+        body[key] = [{**item, "role": "system"} if _is_developer(item) else item for item in items]
+        return True
+
+    return rewrite_roles
+
+
+def _is_developer(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("role") == "developer"
+
+
 #: the rewrites each route applies (each changes the body it is given and says whether it did)
 _REWRITES: dict[str, tuple[Callable[[dict[str, Any]], bool], ...]] = {
-    "chat.completions": (_max_completion_tokens, _chat_template_kwargs),
+    "chat.completions": (_max_completion_tokens, _chat_template_kwargs, _developer_role("messages")),
+    "responses": (_developer_role("input"),),
 }
 
 

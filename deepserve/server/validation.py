@@ -108,6 +108,10 @@ _MEDIA_PARTS = {
 }
 
 
+#: why a media kind is refused, where there is more to say than "text only"
+_WHY = {"image": " (images need the vision-encoder role, which deepserve does not have yet)"}
+
+
 def validate(route: str, body: dict[str, Any]) -> None:
     """400 `ApiError` for the first shared field of `body` that `route` reads and the rule refuses, a media
     part, or (Messages) a role other than user/assistant. `route`: a key of `ROUTE_FIELDS`."""
@@ -121,7 +125,7 @@ def validate(route: str, body: dict[str, Any]) -> None:
         kind = media.get(part.get("type"))
         if kind is not None:
             raise ApiError(400, f"{kind} input is not supported yet: '{path}' is a {part['type']!r} part, and this "
-                           "model reads text only", param=path, code="unsupported")
+                           f"server reads text only{_WHY.get(kind, '')}", param=path, code="unsupported")
 
 
 def _check_anthropic_roles(messages: Any) -> None:
