@@ -81,10 +81,13 @@ class GrammarCompiler:
         return name
 
     def backend(self, name: str) -> GrammarBackend:
-        """The backend registered as `name`, built on first use (its factory may take a second or two)."""
+        """The backend registered as `name`, built on first use (its factory may take a second or two); for a
+        backend that compiles in child processes, the first child starts meanwhile."""
         with self._backend_locks[name]:
             if name not in self._backends:
                 backend = self.factories[name](self.tokenizer)
+                if isinstance(backend, GrammarBackend) and backend.isolated_compiles:
+                    self._isolated(name).prestart()
                 if not isinstance(backend, GrammarBackend):
                     raise GrammarError(f"the factory registered as {name!r} returned a {type(backend).__name__}, "
                                        "not a deepserve.core.structured.GrammarBackend")

@@ -75,6 +75,32 @@ class CompileProcesses:
         self._num_children = 0
         self._lock = threading.Condition()
         self.num_killed = 0  # children ended because a compile overran its timeout
+        self._starting = 0  # children being started in the background: a compile waits for one of those
+
+    def prestart(self) -> None:
+        """Start one child in the background now (a child's start, mostly imports, takes seconds), so the first
+        compile does not wait for it."""
+        with self._lock:
+            if self._idle or self._num_children:
+                return
+            self._num_children += 1
+            self._starting += 1
+
+        def start() -> None:
+            child = None
+            try:
+                child = _Child(self.factory, self.tokenizer, self.start_timeout)
+            except BaseException as exc:  # noqa: BLE001 - the first compile starts one again and says why
+                logger.warning("a grammar compile process did not start: %s", exc)
+            with self._lock:
+                self._starting -= 1
+                if child is None:
+                    self._num_children -= 1
+                else:
+                    self._idle.append(child)
+                self._lock.notify_all()
+
+        threading.Thread(target=start, name="deepserve-grammar-prestart", daemon=True).start()
 
     def compile(self, spec: GrammarSpec, timeout: float) -> Any:
         """The compiled value of `spec`; GrammarError naming the problem, or the timeout (its child is ended)."""
@@ -99,7 +125,7 @@ class CompileProcesses:
 
     def _take(self) -> _Child:
         with self._lock:
-            while not self._idle and self._num_children >= self.max_processes:
+            while not self._idle and (self._starting or self._num_children >= self.max_processes):
                 self._lock.wait()
             if self._idle:
                 return self._idle.pop()
@@ -109,20 +135,20 @@ class CompileProcesses:
         except BaseException:
             with self._lock:
                 self._num_children -= 1
-                self._lock.notify()
+                self._lock.notify_all()
             raise
 
     def _give_back(self, child: _Child) -> None:
         with self._lock:
             self._idle.append(child)
-            self._lock.notify()
+            self._lock.notify_all()
 
     def _discard(self, child: _Child, killed: bool = False) -> None:
         child.stop()
         with self._lock:
             self._num_children -= 1
             self.num_killed += killed
-            self._lock.notify()
+            self._lock.notify_all()
         if killed:
             logger.warning("a grammar compile overran its timeout: its compile process was ended")
 
