@@ -340,7 +340,7 @@ def test_errors_map_to_the_clients_exceptions(clients, name):
 # -- schemathesis against the live /openapi.json ---------------------------------------------------------------------
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("POST", "/v1/messages"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
-              ("GET", "/metrics"), ("GET", "/openapi.json")]
+              ("HEAD", "/health"), ("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/openapi.json")]
 #: operations with inputs get negative (document-breaking) data as well
 FUZZ = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
        [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST" or "{" in p]

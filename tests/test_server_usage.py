@@ -4,6 +4,7 @@ metrics also under vLLM's `vllm:` names."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -23,6 +24,17 @@ async def scrape(client) -> dict[tuple[str, tuple], float]:
     text = await (await client.get("/metrics")).text()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def settled(client, name: str, value: float, tries: int = 500) -> dict[tuple[str, tuple], float]:
+    """A scrape once the engine's snapshot shows `name` at `value` (the engine publishes its snapshot after it
+    hands out a step's outputs, so a scrape right after an answer may miss that step: a race in the engine)."""
+    for _ in range(tries):
+        samples = await scrape(client)
+        if samples.get((name, ())) == value:
+            return samples
+        await asyncio.sleep(0.01)
+    return samples
 
 
 async def engine_tokens(app, body: dict) -> list[int]:
@@ -74,3 +86,30 @@ async def test_reasoning_tokens_end_at_the_end_of_thinking(aiohttp_client):
             assert answer["choices"][0]["message"]["content"], answer  # the reasoning ended
             usage = answer["usage"]
         assert (usage["completion_tokens_details"]["reasoning_tokens"], usage["completion_tokens"]) == expected
+
+
+async def test_head_on_health_and_metrics(client):
+    for path in ("/health", "/metrics"):
+        r = await client.head(path)
+        assert r.status == 200 and await r.read() == b"", path
+    doc = await (await client.get("/openapi.json")).json()
+    assert "head" in doc["paths"]["/health"] and "head" in doc["paths"]["/metrics"]
+
+
+async def test_metrics_under_vllm_names(client):
+    for _ in range(2):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 200, "max_tokens": 3,
+                                                        "ignore_eos": True})
+        assert r.status == 200
+    samples = await settled(client, "deepserve_generation_tokens_total", 6)
+    ours = {name: value for (name, labels), value in samples.items() if not labels}
+    vllm = {name: value for (name, labels), value in samples.items() if labels == (("model_name", MODEL),)}
+    assert vllm["vllm:generation_tokens_total"] == ours["deepserve_generation_tokens_total"] == 6
+    assert vllm["vllm:prompt_tokens_total"] == 400  # both prompts, the prefix-cache hits included
+    assert vllm["vllm:prefix_cache_queries_total"] == ours["deepserve_prefix_cache_queries_total"] == 400
+    assert vllm["vllm:prefix_cache_hits_total"] == ours["deepserve_prefix_cache_hits_total"] >= 128
+    assert vllm["vllm:num_requests_running"] == vllm["vllm:num_requests_waiting"] == 0
+    assert vllm["vllm:kv_cache_usage_perc"] == 0.0
+    assert vllm["vllm:time_to_first_token_seconds_count"] == ours["deepserve_time_to_first_token_seconds_count"] == 2
+    assert vllm["vllm:e2e_request_latency_seconds_count"] == 2
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))] == 2

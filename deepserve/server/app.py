@@ -45,7 +45,7 @@ def create_app(config: ServerConfig, *, plugin_manager: pluggy.PluginManager | N
     middlewares = [error_middleware] + ([auth_middleware(config.api_key)] if config.api_key else [])
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
-    app[METRICS] = ServerMetrics()
+    app[METRICS] = ServerMetrics(config.model_name)
     app[PLUGIN_ROUTES] = []
     add_routes(app)
     _add_plugin_routes(app, plugin_manager if plugin_manager is not None else make_plugin_manager())

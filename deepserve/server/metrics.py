@@ -4,7 +4,8 @@ Engine gauges and counters are read at scrape time from the live engine (queue l
 and token counters); request latencies (time to first token, inter-token, end to end) and finished requests by
 reason are observed by the handlers. With speculative decoding on, the engine's draft counters are exported as
 `deepserve_spec_decode_*`: drafted, verified and accepted tokens (totals and per sequence-step, one decoding
-request in one step) and the acceptance rate at each draft position.
+request in one step) and the acceptance rate at each draft position. The same numbers are also exported under
+vLLM's names where vLLM has a counterpart (`deepserve.server.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deepserve.core.async_engine import AsyncEngine
+from deepserve.server.vllm_metrics import VllmCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: how a request ended, as `deepserve_requests_finished_total{reason=...}` counts it
@@ -28,7 +30,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 class ServerMetrics:
     """The app's registry. `engine` and `num_open` are attached at start-up, when the engine exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.engine: AsyncEngine | None = None
         self.admission = None  # deepserve.server.state.Admission, once started
@@ -44,6 +46,7 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
         self.registry.register(_EngineCollector(self))
+        self.registry.register(VllmCollector(self, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

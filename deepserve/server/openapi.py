@@ -202,6 +202,9 @@ OPERATIONS: dict[str, dict] = {
                 "content": {"application/json": _json("Health")}}}},
     "metrics": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Prometheus text format",
                                                                        "content": {"text/plain": {"schema": _STR}}}}},
+    "health_head": {"summary": "Liveness, headers only (as GET /health, no body)", "responses": {
+        "200": {"description": "serving"}, "503": {"description": "draining, stopped or stalled"}}},
+    "metrics_head": {"summary": "Prometheus metrics, headers only", "responses": {"200": {"description": "up"}}},
     "openapi": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3.1",
                                                                   "content": {"application/json": {"schema": _OBJ}}}}},
 }

@@ -126,7 +126,9 @@ ROUTES = (
     Route("GET", "/v1/models", list_models, "models"),
     Route("GET", "/v1/models/{model_id}", get_model, "model"),
     Route("GET", "/health", health, "health"),
+    Route("HEAD", "/health", health, "health_head"),  # probes and load balancers that only HEAD
     Route("GET", "/metrics", metrics, "metrics"),
+    Route("HEAD", "/metrics", metrics, "metrics_head"),
     Route("GET", "/openapi.json", openapi, "openapi"),
 )
 
