@@ -111,7 +111,7 @@ class FakeStore(Hanging):
 
 def test_a_plugin_registers_a_scheme_and_the_registry_opens_it():
     stores = registry(ThirdPartyStores())
-    assert stores.schemes == ["fake", "memory"]
+    assert stores.schemes == ["dir", "fake", "memory"]
     assert stores.open("fake://node-1:9000/kv").uri == "fake://node-1:9000/kv"
 
 
@@ -140,3 +140,61 @@ def test_an_engine_holds_the_stores_from_start_up(tiny_dir):
 
     llm = LLM(tiny_dir, accelerator="cpu", dtype="float32", block_size=128, kv_cache_bytes=2**22)
     assert "memory" in llm.parts.block_stores.schemes
+
+
+# -- dir:// (what a 3FS mount holds) ----------------------------------------------------------------------------
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_dir_store_survives_a_new_process_and_drops_corrupt_blocks(tmp_path):
+    from deepserve.plugins.cache.dir_store import DirStore
+
+    uri = f"dir://{tmp_path}/kv"
+    first = GuardedStore(registry().open(uri))
+    await first.put_many([(k, bytes([i + 1]) * 64) for i, k in enumerate(keys([1, 2, 3]))])
+    again = GuardedStore(registry().open(uri))  # as another engine, or the next process, sees it
+    assert await again.longest_prefix(NS, [1, 2, 3, 4], ["csa"]) == 3
+    buffers = [bytearray(64) for _ in range(3)]
+    assert await again.get_many(keys([1, 2, 3]), buffers) == [True, True, True] and buffers[2] == bytes([3]) * 64
+    files = sorted((tmp_path / "kv").rglob("*.blk"))
+    files[0].write_bytes(files[0].read_bytes()[:-5])  # truncated
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit: the checksum fails
+    files[1].write_bytes(bytes(data))
+    got = await again.get_many(keys([1, 2, 3]), [bytearray(64) for _ in range(3)])
+    assert sum(got) == 1 and len(list((tmp_path / "kv").rglob("*.blk"))) == 1  # both bad files removed
+    assert isinstance(again.store, DirStore)
+
+
+async def test_dir_store_expires_by_ttl_class_and_evicts_lru_past_its_watermark(tmp_path):
+    from deepserve.plugins.cache.dir_store import DAY, DirStore
+
+    clock = Clock()
+    store = DirStore(tmp_path, capacity_bytes=10 * 80, high=0.9, low=0.5, clock=clock)
+    await store.put_many([(k, b"a" * 64) for k in keys([1])], ttl_class="agent")
+    await store.put_many([(k, b"c" * 64) for k in keys([2])], ttl_class="chat")
+    clock.now += 4 * DAY  # past agent's 3 days, inside chat's 7
+    assert await store.longest_prefix(NS, [1], ["csa"]) == 0 and await store.longest_prefix(NS, [2], ["csa"]) == 1
+    assert store.gc() == 1 and not (tmp_path / "agent" / str(int((clock.now - 4 * DAY) // DAY))).exists()
+    for h in range(10, 19):  # 9 more blocks of 80 bytes on disk: 10 in all, past 90% of 800
+        await store.put_many([(keys([h])[0], b"x" * 64)])
+        clock.now += 1
+    left = [h for h in [2, *range(10, 19)] if await store.longest_prefix(NS, [h], ["csa"])]
+    assert len(left) * 80 <= 400 and left == sorted(left)[-len(left):]  # the oldest went first
+    with pytest.raises(ValueError, match="ttl_class"):
+        await store.put_many([(keys([1])[0], b"x")], ttl_class="forever")
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("dir://relative/path", "absolute"),
+    ("dir:///tmp/x?capacity_bytes=lots", "capacity_bytes must be an integer"),
+    ("dir:///tmp/x?ttl=3", "unknown option"),
+])
+def test_a_malformed_dir_uri_names_the_problem(uri, message):
+    with pytest.raises(ValueError, match=message):
+        registry().open(uri)

@@ -1,6 +1,6 @@
 """The built-in block stores, contributed through `deepserve_register_cache_backends` by the URI scheme each
-serves: `memory` (`memory_store.py`). The directory (3FS), Redis and erasure-coded stores register here too as
-the cache system brings them."""
+serves: `memory` (`memory_store.py`) and `dir` (`dir_store.py`: a 3FS mount or any shared directory). Redis and
+the erasure-coded stores register here too as the cache system brings them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ def make_memory_store(uri: str) -> BlockStore:
     return MemoryStore.from_uri(uri)
 
 
+def make_dir_store(uri: str) -> BlockStore:
+    from deepserve.plugins.cache.dir_store import DirStore
+
+    return DirStore.from_uri(uri)
+
+
 @hookimpl
 def deepserve_register_cache_backends(register: Register) -> None:
     register("memory", make_memory_store)
+    register("dir", make_dir_store)
