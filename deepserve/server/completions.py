@@ -25,6 +25,7 @@ from deepserve.core.stop_checker import hold_back_length
 from deepserve.server.admission import Ticket, shutdown_error
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
+from deepserve.server.legacy_logprobs import joined, output_logprobs, prompt_logprobs
 from deepserve.server.pool import run_in_pool
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
@@ -66,10 +67,10 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
     if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
         raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}",
                        param="logprobs")
-    if logprobs is not None and body.get("echo"):
-        raise ApiError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo")
+    echo = bool(body.get("echo"))
     text, ids = _prompt(body.get("prompt"), model)
     max_tokens = body.get("max_tokens", 16)
+    prompt_only = max_tokens == 0  # with echo (validation.py): the engine samples one token, which is dropped
     if type(max_tokens) is int and len(ids) + max_tokens > model.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                        f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
@@ -78,8 +79,9 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
     constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
     spec = to_spec(constraint) if constraint is not None else None
     try:
-        params = SamplingParams(n=body.get("n") if body.get("n") is not None else 1, max_tokens=max_tokens,
-                                logprobs=logprobs, structured_outputs=spec, **fields)
+        params = SamplingParams(n=body.get("n") if body.get("n") is not None else 1,
+                                max_tokens=1 if prompt_only else max_tokens, logprobs=logprobs,
+                                prompt_logprobs=logprobs if echo else None, structured_outputs=spec, **fields)
     except (ValueError, TypeError) as exc:
         raise sampling_error(exc) from None
     if params.stop and model.tokenizer is None:
@@ -120,6 +122,7 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     if params.structured_outputs is not None:
         await compile_grammar(engine.engine, params.structured_outputs, constraint_field, client_of(request))
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))
+    prompt_only = body.get("max_tokens") == 0  # with echo: the token the engine samples is not returned
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.name}
@@ -128,7 +131,10 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     sse, sent_chars, sent_tokens, final = None, 0, 0, None
     try:
         ticket.start(head["id"])  # no await from here to the engine's add: see `Ticket.start`
-        outs = engine.generate(ids, params, request_id=head["id"], prompt=text, views=True)
+        # the engine computes prompt logprobs for the prompt tokens it computes: a fresh salt keeps prefix-cache
+        # hits from leaving holes in them
+        salt = uuid.uuid4().hex if params.prompt_logprobs is not None else None
+        outs = engine.generate(ids, params, request_id=head["id"], prompt=text, cache_salt=salt, views=True)
         async with contextlib.aclosing(outs):
             async for out in outs:
                 completion, final = out.outputs[0], out
@@ -140,12 +146,14 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
                     break  # a failed grammar or the shutdown: a 4xx/503, or the error event below ends the stream
                 if sse is None:
                     sse = await open_sse(request)
-                end = len(completion.text)
+                generated = "" if prompt_only else completion.text
+                end = len(generated)
                 if not out.finished and params.stop and not params.include_stop_str_in_output:
-                    end -= hold_back_length(completion.text, params.stop)
-                delta = (prefix if sent_tokens == 0 and sent_chars == 0 else "") + completion.text[sent_chars:end]
-                logprobs = _logprobs(completion, sent_tokens, model, params) if params.logprobs is not None else None
-                choice = {"text": delta, "index": 0, "logprobs": logprobs,
+                    end -= hold_back_length(generated, params.stop)
+                first = sent_tokens == 0 and sent_chars == 0
+                delta = (prefix if first else "") + generated[sent_chars:end]
+                choice = {"text": delta, "index": 0, "logprobs": _choice_logprobs(out, sent_tokens, first, model,
+                                                                                   params, prompt_only, prefix),
                           "finish_reason": _finish(completion) if out.finished else None}
                 chunk = {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
                 await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
@@ -168,10 +176,11 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
         await sse.write(sse_message(json.dumps(error_body(request.path, error.status, error.message, error.param,
                                                           error.code))))
         return sse
-    usage = _usage(final)
+    usage = _usage(final, prompt_only)
     if sse is None:
-        choice = {"text": prefix + completion.text, "index": 0, "finish_reason": _finish(completion),
-                  "logprobs": _logprobs(completion, 0, model, params) if params.logprobs is not None else None}
+        choice = {"text": prefix + ("" if prompt_only else completion.text), "index": 0,
+                  "finish_reason": _finish(completion),
+                  "logprobs": _choice_logprobs(final, 0, True, model, params, prompt_only, prefix)}
         return web.json_response({**head, "choices": [choice], "usage": usage})
     if include_usage:
         await sse.write(sse_message(json.dumps({**head, "choices": [], "usage": usage})))
@@ -184,32 +193,19 @@ def _finish(completion: CompletionOutput) -> str:
     return completion.finish_reason or "abort"
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, generated = len(out.prompt_token_ids or ()), len(out.outputs[0].token_ids)
+def _usage(out: RequestOutput, prompt_only: bool) -> dict[str, Any]:
+    prompt, generated = len(out.prompt_token_ids or ()), 0 if prompt_only else len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
-def _logprobs(completion: CompletionOutput, start: int, model: ModelInfo, params: SamplingParams) -> dict | None:
-    """OpenAI's legacy logprobs object for output tokens [start, end): tokens, their logprobs, the top ones."""
-    entries = completion.logprobs or []
-    tokens, token_logprobs, top = [], [], []
-    for position in range(start, min(len(completion.token_ids), len(entries))):
-        token_id, entry = completion.token_ids[position], entries[position]
-        tokens.append(_token_text(token_id, entry, model))
-        token_logprobs.append(entry[token_id].logprob)
-        ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
-        top.append({_token_text(t, entry, model): lp.logprob for t, lp in ranked[: params.logprobs]})
-    offset = len(model.tokenizer.decode(completion.token_ids[:start], False)) if start and model.tokenizer else 0
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _token_text(token_id: int, entry: dict, model: ModelInfo) -> str:
-    decoded = entry[token_id].decoded_token
-    if decoded is not None:
-        return decoded
-    return model.tokenizer.decode([token_id], skip_special_tokens=False) if model.tokenizer else f"<{token_id}>"
+def _choice_logprobs(out: RequestOutput, start: int, first: bool, model: ModelInfo, params: SamplingParams,
+                     prompt_only: bool, prefix: str) -> dict | None:
+    """The choice's logprobs from output token `start` on; the prompt's before them in the `first` chunk of an
+    echoed request (`params.prompt_logprobs` is set then); the prompt's alone for `max_tokens: 0`."""
+    if params.logprobs is None:
+        return None
+    output = None if prompt_only else output_logprobs(out.outputs[0], start, model, params.logprobs)
+    if params.prompt_logprobs is None or not first:
+        return output
+    return joined(prompt_logprobs(out, model, params.prompt_logprobs), output, len(prefix))

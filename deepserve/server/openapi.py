@@ -107,7 +107,8 @@ SCHEMAS: dict[str, Any] = {
         "model": _STR, "prompt": {"anyOf": [_STR, {"type": "array", "items": _INT, "minItems": 1},
                                             {"type": "array", "maxItems": 1, "minItems": 1,
                                              "items": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}]},
-        **_SAMPLING, "stop": _STOP, "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+        **_SAMPLING, "stop": _STOP, "max_tokens": _nullable({
+            "type": "integer", "minimum": 0, "description": "0 only with echo: the prompt and its logprobs alone"}),
         "n": _nullable({"const": 1}), "echo": _nullable(_BOOL),
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
         "stream_options": _nullable(_object([], {"include_usage": _BOOL})), "user": _nullable(_STR),

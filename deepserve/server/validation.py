@@ -6,7 +6,8 @@ routes read is judged once, by one rule, with one message and `param`:
 
 - the sampling fields (`seed` in [0, 2**63), `temperature` in [0, 2], `top_p` in (0, 1], `top_k` >= -1;
   deepseek-recipe's ranges for chat, now every route's), `n` (1 only), `stream` (a boolean), the output
-  limit (`max_tokens`, `max_completion_tokens`, `max_output_tokens`: at least 1), stop strings (`stop`,
+  limit (`max_tokens`, `max_completion_tokens`, `max_output_tokens`: at least 1; completions also take
+  `max_tokens: 0` with `echo: true`, the prompt's logprobs alone, as lm-eval's loglikelihood asks), stop strings (`stop`,
   Anthropic's `stop_sequences`: at most `MAX_STOP_STRINGS` non-empty strings); each route checks the ones
   it reads (`ROUTE_FIELDS`);
 - image, audio and file parts, which the model cannot read (deepseek-recipe would put a placeholder such as
@@ -116,7 +117,7 @@ def validate(route: str, body: dict[str, Any]) -> None:
     """400 `ApiError` for the first shared field of `body` that `route` reads and the rule refuses, a media
     part, or (Messages) a role other than user/assistant. `route`: a key of `ROUTE_FIELDS`."""
     for name in ROUTE_FIELDS[route]:
-        if body.get(name) is not None:
+        if body.get(name) is not None and not _echo_only(route, name, body):
             RULES[name](name, body[name])
     if route == "messages":
         _check_anthropic_roles(body.get("messages"))
@@ -126,6 +127,12 @@ def validate(route: str, body: dict[str, Any]) -> None:
         if kind is not None:
             raise ApiError(400, f"{kind} input is not supported yet: '{path}' is a {part['type']!r} part, and this "
                            f"server reads text only{_WHY.get(kind, '')}", param=path, code="unsupported")
+
+
+def _echo_only(route: str, name: str, body: dict[str, Any]) -> bool:
+    """A completions request for its prompt alone: `max_tokens: 0` with `echo: true`."""
+    return route == "completions" and name == "max_tokens" and _is_int(body[name]) and body[name] == 0 \
+        and body.get("echo") is True
 
 
 def _check_anthropic_roles(messages: Any) -> None:
