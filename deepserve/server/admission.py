@@ -26,19 +26,20 @@ def shutdown_error(retry_after: str | None = None) -> ApiError:
 
 
 class Ticket:
-    """One admitted request. `request_id` is set by `start`, once the request goes to the engine."""
+    """One admitted request. `request_ids` gains each engine request `start` hands to the engine (a completions
+    request with several prompts makes one per prompt)."""
 
-    __slots__ = ("admission", "request_id")
+    __slots__ = ("admission", "request_ids")
 
     def __init__(self, admission: Admission) -> None:
-        self.admission, self.request_id = admission, None
+        self.admission, self.request_ids = admission, []
 
     def start(self, request_id: str) -> None:
         """Call right before the engine sees the request (no await in between, so an abort cannot miss it);
         503 once the shutdown has aborted what was open."""
         if self.admission.aborting:
             raise shutdown_error(self.admission.retry_after)
-        self.request_id = request_id
+        self.request_ids.append(request_id)
         self.admission.num_started += 1
 
 
@@ -92,7 +93,7 @@ class Admission:
     def abort_open(self, abort: Callable[[str], None]) -> int:
         """From now on no request starts; `abort(request_id)` for each open one that has. How many."""
         self.draining = self.aborting = True
-        started = [ticket.request_id for ticket in self._open if ticket.request_id is not None]
+        started = [request_id for ticket in self._open for request_id in ticket.request_ids]
         for request_id in started:
             abort(request_id)
         return len(started)

@@ -19,13 +19,11 @@ from typing import Any
 from aiohttp import web
 
 from deepserve.core.async_engine import EngineDeadError
-from deepserve.core.outputs import CompletionOutput, RequestOutput
 from deepserve.core.sampling_params import SamplingParams
-from deepserve.core.stop_checker import hold_back_length
 from deepserve.server.admission import Ticket, shutdown_error
+from deepserve.server.completion_choices import Choice, finish_of, merged
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
-from deepserve.server.legacy_logprobs import joined, output_logprobs, prompt_logprobs
 from deepserve.server.pool import run_in_pool
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
@@ -43,12 +41,14 @@ _UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1), "logit
 KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
                           "user", "response_format", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED})
 MAX_LOGPROBS = 20
+#: prompts one request may batch (each is its own choice and its own engine request)
+MAX_PROMPTS = 64
 
 
 def parse_completion(body: dict[str, Any], model: ModelInfo) \
-        -> tuple[str | None, list[int], SamplingParams, str | None]:
-    """Validate a completions body: (prompt text, prompt ids, sampling parameters, the field that asked for
-    structured output or None). Raises 400 `ApiError`s. Tokenizes the prompt: the server calls it on its pool."""
+        -> tuple[list[tuple[str | None, list[int]]], SamplingParams, str | None]:
+    """Validate a completions body: ((text, ids) of each prompt, sampling parameters, the field that asked for
+    structured output or None). Raises 400 `ApiError`s. Tokenizes the prompts: the server calls it on its pool."""
     for name in body:
         if name not in KNOWN_FIELDS:
             raise ApiError(400, f"unrecognized field '{name}'", param=name, code="unknown_field")
@@ -68,12 +68,13 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
         raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}",
                        param="logprobs")
     echo = bool(body.get("echo"))
-    text, ids = _prompt(body.get("prompt"), model)
+    prompts = _prompts(body.get("prompt"), model)
     max_tokens = body.get("max_tokens", 16)
     prompt_only = max_tokens == 0  # with echo (validation.py): the engine samples one token, which is dropped
-    if type(max_tokens) is int and len(ids) + max_tokens > model.max_model_len:
+    longest = max(len(ids) for _, ids in prompts)
+    if type(max_tokens) is int and longest + max_tokens > model.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
-                       f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                       f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
                        "completion).", param="max_tokens", code="context_length_exceeded")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
@@ -86,7 +87,7 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
         raise sampling_error(exc) from None
     if params.stop and model.tokenizer is None:
         raise ApiError(400, "'stop' needs a tokenizer and this model has none", param="stop")
-    return text, ids, model.fit_params(params), constraint.field if constraint is not None else None
+    return prompts, model.fit_params(params), constraint.field if constraint is not None else None
 
 
 def _check_type(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> None:
@@ -96,92 +97,83 @@ def _check_type(body: dict[str, Any], name: str, kind: type, label: str | None =
         raise ApiError(400, f"'{label or name}' must be {expected}, got {json_type(value)}", param=label or name)
 
 
-def _prompt(prompt: Any, model: ModelInfo) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any, model: ModelInfo) -> list[tuple[str | None, list[int]]]:
+    """One prompt (a string or token ids) or several (an array of them, at most `MAX_PROMPTS`)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed",
+                           param="prompt")
+        return [_prompt(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt(prompt, model, "prompt")]
+
+
+def _prompt(prompt: Any, model: ModelInfo, param: str) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if model.encoder is None:
-            raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids", param="prompt")
-        model.check_prompt_text(check_text(prompt, "prompt"), param="prompt")
+            raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids", param=param)
+        model.check_prompt_text(check_text(prompt, param), param=param)
         text, ids = prompt, model.encoder.encode(prompt)
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         text, ids = None, list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "'prompt' with several prompts is not supported: send one request per prompt",
-                       param="prompt", code="unsupported")
     else:
-        raise ApiError(400, f"'prompt' must be a string or an array of token ids, got {json_type(prompt)}",
-                       param="prompt")
-    model.check_prompt(ids, param="prompt")
+        raise ApiError(400, f"'{param}' must be a string or an array of token ids, got {json_type(prompt)}",
+                       param=param)
+    model.check_prompt(ids, param=param)
     return text, ids
 
 
 async def handle_completions(request: web.Request, body: dict[str, Any], ticket: Ticket) -> web.StreamResponse:
-    model, engine = request.app[MODEL], request.app[ENGINE]
-    text, ids, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
+    model, engine, metrics = request.app[MODEL], request.app[ENGINE], request.app[METRICS]
+    prompts, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
     if params.structured_outputs is not None:
         await compile_grammar(engine.engine, params.structured_outputs, constraint_field, client_of(request))
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))
-    prompt_only = body.get("max_tokens") == 0  # with echo: the token the engine samples is not returned
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.name}
-    prefix = (text if text is not None else model.tokenizer.decode(ids) if model.tokenizer else "") if echo else ""
-    timer, reason = request.app[METRICS].timer(), "abort"  # unless it ends normally: the client left
-    sse, sent_chars, sent_tokens, final = None, 0, 0, None
+    choices = [Choice(i, text, ids, _echoed(text, ids, model) if echo else "", body.get("max_tokens") == 0,
+                      metrics.timer()) for i, (text, ids) in enumerate(prompts)]
+    # the engine computes prompt logprobs for the prompt tokens it computes: a fresh salt keeps prefix-cache
+    # hits from leaving holes in them
+    salt = uuid.uuid4().hex if params.prompt_logprobs is not None else None
+    sse, failed = None, None
     try:
-        ticket.start(head["id"])  # no await from here to the engine's add: see `Ticket.start`
-        # the engine computes prompt logprobs for the prompt tokens it computes: a fresh salt keeps prefix-cache
-        # hits from leaving holes in them
-        salt = uuid.uuid4().hex if params.prompt_logprobs is not None else None
-        outs = engine.generate(ids, params, request_id=head["id"], prompt=text, cache_salt=salt, views=True)
+        outs = merged(engine, choices, params, head["id"], ticket, salt)
         async with contextlib.aclosing(outs):
-            async for out in outs:
-                completion, final = out.outputs[0], out
-                timer.tokens(len(completion.token_ids) - sent_tokens)
+            async for choice, out in outs:
+                choice.seen(out)
+                if out.finished and out.outputs[0].finish_reason == "abort":
+                    failed = choice  # a failed grammar or the shutdown: a 4xx/503, or the error event below
+                    break
                 if not stream:
-                    sent_tokens = len(completion.token_ids)
                     continue
-                if out.finished and completion.finish_reason == "abort":
-                    break  # a failed grammar or the shutdown: a 4xx/503, or the error event below ends the stream
                 if sse is None:
                     sse = await open_sse(request)
-                generated = "" if prompt_only else completion.text
-                end = len(generated)
-                if not out.finished and params.stop and not params.include_stop_str_in_output:
-                    end -= hold_back_length(generated, params.stop)
-                first = sent_tokens == 0 and sent_chars == 0
-                delta = (prefix if first else "") + generated[sent_chars:end]
-                choice = {"text": delta, "index": 0, "logprobs": _choice_logprobs(out, sent_tokens, first, model,
-                                                                                   params, prompt_only, prefix),
-                          "finish_reason": _finish(completion) if out.finished else None}
-                chunk = {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+                chunk = {**head, "choices": [choice.delta(out, model, params)],
+                         **({"usage": None} if include_usage else {})}
                 await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
-                sent_chars, sent_tokens = max(sent_chars, end), len(completion.token_ids)
     except EngineDeadError:
-        reason = "error"
+        _finish_timers(choices, "error")
         raise ApiError(503, "the engine has stopped; the server needs a restart") from None
     except ValueError as exc:  # the engine refused the request
-        reason = "error"
+        _finish_timers(choices, "error")
         raise ApiError(400, str(exc)) from None
     finally:
-        if final is not None and final.finished:
-            reason = "error" if grammar_failure(final.outputs[0]) is not None else _finish(final.outputs[0])
-        timer.finish(reason)
-    completion = final.outputs[0]
-    if completion.finish_reason == "abort":
-        error = grammar_failure(completion, constraint_field) or shutdown_error()  # only the server aborts it
+        for choice in choices:  # unless it ended normally, the client left ("abort")
+            final = choice.final
+            ended = final is not None and final.finished
+            choice.timer.finish(("error" if grammar_failure(final.outputs[0]) is not None else finish_of(final))
+                                if ended else "abort")
+    if failed is not None:
+        error = grammar_failure(failed.final.outputs[0], constraint_field) or shutdown_error()  # only the server
         if sse is None:
             raise error
         await sse.write(sse_message(json.dumps(error_body(request.path, error.status, error.message, error.param,
                                                           error.code))))
         return sse
-    usage = _usage(final, prompt_only)
+    usage = _usage(choices)
     if sse is None:
-        choice = {"text": prefix + ("" if prompt_only else completion.text), "index": 0,
-                  "finish_reason": _finish(completion),
-                  "logprobs": _choice_logprobs(final, 0, True, model, params, prompt_only, prefix)}
-        return web.json_response({**head, "choices": [choice], "usage": usage})
+        return web.json_response({**head, "choices": [c.whole(model, params) for c in choices], "usage": usage})
     if include_usage:
         await sse.write(sse_message(json.dumps({**head, "choices": [], "usage": usage})))
     await sse.write(sse_message("[DONE]"))
@@ -189,23 +181,18 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     return sse
 
 
-def _finish(completion: CompletionOutput) -> str:
-    return completion.finish_reason or "abort"
+def _echoed(text: str | None, ids: list[int], model: ModelInfo) -> str:
+    return text if text is not None else model.tokenizer.decode(ids) if model.tokenizer else ""
 
 
-def _usage(out: RequestOutput, prompt_only: bool) -> dict[str, Any]:
-    prompt, generated = len(out.prompt_token_ids or ()), 0 if prompt_only else len(out.outputs[0].token_ids)
+def _finish_timers(choices: list[Choice], reason: str) -> None:
+    for choice in choices:
+        choice.timer.finish(reason)
+
+
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    prompt = sum(len(c.ids) for c in choices)
+    generated = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.final.num_cached_tokens for c in choices if c.final is not None)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-
-
-def _choice_logprobs(out: RequestOutput, start: int, first: bool, model: ModelInfo, params: SamplingParams,
-                     prompt_only: bool, prefix: str) -> dict | None:
-    """The choice's logprobs from output token `start` on; the prompt's before them in the `first` chunk of an
-    echoed request (`params.prompt_logprobs` is set then); the prompt's alone for `max_tokens: 0`."""
-    if params.logprobs is None:
-        return None
-    output = None if prompt_only else output_logprobs(out.outputs[0], start, model, params.logprobs)
-    if params.prompt_logprobs is None or not first:
-        return output
-    return joined(prompt_logprobs(out, model, params.prompt_logprobs), output, len(prefix))
+            "prompt_tokens_details": {"cached_tokens": cached}}

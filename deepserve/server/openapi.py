@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from deepserve import __version__
+from deepserve.server.completions import MAX_PROMPTS
 from deepserve.server.config import ServerConfig
 from deepserve.server.validation import MAX_SEED, MAX_STOP_STRINGS
 
@@ -105,7 +106,7 @@ SCHEMAS: dict[str, Any] = {
             "index": _INT, "message": _OBJ, "finish_reason": _nullable(_STR)})}, "usage": _USAGE}),
     "CompletionRequest": _object(["model", "prompt"], {
         "model": _STR, "prompt": {"anyOf": [_STR, {"type": "array", "items": _INT, "minItems": 1},
-                                            {"type": "array", "maxItems": 1, "minItems": 1,
+                                            {"type": "array", "maxItems": MAX_PROMPTS, "minItems": 1,
                                              "items": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}]},
         **_SAMPLING, "stop": _STOP, "max_tokens": _nullable({
             "type": "integer", "minimum": 0, "description": "0 only with echo: the prompt and its logprobs alone"}),

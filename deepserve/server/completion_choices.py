@@ -1,0 +1,118 @@
+"""The choices of one `/v1/completions` request: one engine request per prompt (a batch of prompts is submitted
+together), their outputs merged into one stream of `(choice index, output)` in arrival order, and each choice's
+text, logprobs and finish as OpenAI's legacy completions spell them (`Choice`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepserve.core.async_engine import AsyncEngine
+from deepserve.core.outputs import RequestOutput
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.core.stop_checker import hold_back_length
+from deepserve.server.admission import Ticket
+from deepserve.server.legacy_logprobs import joined, output_logprobs, prompt_logprobs
+from deepserve.server.metrics import RequestTimer
+from deepserve.server.state import ModelInfo
+
+
+@dataclass(slots=True)
+class Choice:
+    """One prompt's choice. `prefix` is the echoed prompt ("" without `echo`); `prompt_only`: `max_tokens: 0`
+    with `echo`, whose one sampled token is not returned."""
+
+    index: int
+    text: str | None
+    ids: list[int]
+    prefix: str
+    prompt_only: bool
+    timer: RequestTimer
+    final: RequestOutput | None = None
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    num_seen_tokens: int = field(default=0)
+
+    def seen(self, out: RequestOutput) -> None:
+        """Record an output (cumulative) and time its new tokens."""
+        self.final = out
+        tokens = len(out.outputs[0].token_ids)
+        self.timer.tokens(tokens - self.num_seen_tokens)
+        self.num_seen_tokens = tokens
+
+    def delta(self, out: RequestOutput, model: ModelInfo, params: SamplingParams) -> dict[str, Any]:
+        """The streamed choice for what `out` adds (a tail that could still become a stop string held back)."""
+        completion = out.outputs[0]
+        generated = "" if self.prompt_only else completion.text
+        end = len(generated)
+        if not out.finished and params.stop and not params.include_stop_str_in_output:
+            end -= hold_back_length(generated, params.stop)
+        first = self.num_sent_tokens == 0 and self.num_sent_chars == 0
+        choice = {"text": (self.prefix if first else "") + generated[self.num_sent_chars:end], "index": self.index,
+                  "logprobs": self._logprobs(out, self.num_sent_tokens, first, model, params),
+                  "finish_reason": finish_of(out) if out.finished else None}
+        self.num_sent_chars, self.num_sent_tokens = max(self.num_sent_chars, end), len(completion.token_ids)
+        return choice
+
+    def whole(self, model: ModelInfo, params: SamplingParams) -> dict[str, Any]:
+        out = self.final
+        return {"text": self.prefix + ("" if self.prompt_only else out.outputs[0].text), "index": self.index,
+                "finish_reason": finish_of(out), "logprobs": self._logprobs(out, 0, True, model, params)}
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0 if self.prompt_only or self.final is None else len(self.final.outputs[0].token_ids)
+
+    def _logprobs(self, out: RequestOutput, start: int, first: bool, model: ModelInfo,
+                  params: SamplingParams) -> dict | None:
+        """From output token `start` on; the prompt's before them in the `first` chunk of an echoed request
+        (`params.prompt_logprobs` is set then); the prompt's alone for `max_tokens: 0`."""
+        if params.logprobs is None:
+            return None
+        output = None if self.prompt_only else output_logprobs(out.outputs[0], start, model, params.logprobs)
+        if params.prompt_logprobs is None or not first:
+            return output
+        return joined(prompt_logprobs(out, model, params.prompt_logprobs), output, len(self.prefix))
+
+
+def finish_of(out: RequestOutput) -> str:
+    return out.outputs[0].finish_reason or "abort"
+
+
+_DONE = object()
+
+
+async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: SamplingParams, request_id: str,
+                 ticket: Ticket, cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Every choice's outputs as they come. The engine requests are submitted in one pass of the event loop;
+    leaving early (or an error) closes them all, which aborts what the engine has not finished."""
+    queue: asyncio.Queue = asyncio.Queue()
+    one = len(choices) == 1
+
+    async def pump(choice: Choice) -> None:
+        try:
+            engine_id = request_id if one else f"{request_id}-{choice.index}"
+            ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
+            outs = engine.generate(choice.ids, params, request_id=engine_id, prompt=choice.text,
+                                   cache_salt=cache_salt, views=True)
+            async with contextlib.aclosing(outs):
+                async for out in outs:
+                    queue.put_nowait((choice, out))
+            queue.put_nowait(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
