@@ -168,11 +168,11 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished_requests()
                 if not self._drain(block):
                     return
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    if outputs:
-                        self._post(outputs)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else None
+                # published before the outputs, so that whoever sees an output sees the counters that include it
                 self._snapshot = self.engine.snapshot()  # one reference assignment: readers see whole values
+                if outputs:
+                    self._post(outputs)
         except BaseException as exc:  # noqa: BLE001 - reported to every stream, then the thread ends
             logger.exception("deepserve engine thread failed")
             self._dead = exc
