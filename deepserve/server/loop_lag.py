@@ -10,13 +10,13 @@ more than `warn_after` seconds late. `lag_monitor_context` runs it for the app's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram
 
+from deepserve.server.background import running
 from deepserve.server.state import METRICS
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,5 @@ class LoopLagMonitor:
 
 
 async def lag_monitor_context(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(LoopLagMonitor(app[METRICS].registry).run(), name="deepserve-loop-lag")
-    try:
+    async with running(LoopLagMonitor(app[METRICS].registry).run(), "deepserve-loop-lag"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

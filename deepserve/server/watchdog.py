@@ -14,7 +14,6 @@ and an ERROR is logged; when the engine moves again, `stalled` clears and a WARN
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from deepserve.core.async_engine import AsyncEngine
 from deepserve.server.admission import Admission
+from deepserve.server.background import running
 from deepserve.server.state import ADMISSION, CONFIG, ENGINE
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,5 @@ WATCHDOG = web.AppKey("deepserve_watchdog", EngineWatchdog)
 
 async def watchdog_context(app: web.Application) -> AsyncIterator[None]:
     watchdog = app[WATCHDOG] = EngineWatchdog(app[ENGINE], app[ADMISSION], app[CONFIG].engine_step_timeout)
-    task = asyncio.create_task(watchdog.run(), name="deepserve-watchdog")
-    try:
+    async with running(watchdog.run(), "deepserve-watchdog"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
