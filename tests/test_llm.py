@@ -165,3 +165,16 @@ def test_offline_example_runs_end_to_end(tiny_dir, demo_dir):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("->") == 8 and "=== greedy ===" in res.stdout
+
+
+def test_prompt_logprobs_cover_a_prompt_the_prefix_cache_holds(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=128, kv_cache_bytes=2**24)
+    prompt = [(7 * i) % 400 + 2 for i in range(300)]
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    wants = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                         use_tqdm=False)[0]
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 256  # the blocks stay shared
+    assert wants.num_cached_tokens == 0  # computed whole, so that every position has its logprobs
+    assert len(wants.prompt_logprobs) == len(prompt) and all(p is not None for p in wants.prompt_logprobs[1:])
+    assert wants.outputs[0].token_ids == first.outputs[0].token_ids

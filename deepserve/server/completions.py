@@ -133,9 +133,7 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
             "model": model.name}
     choices = [Choice(i, text, ids, _echoed(text, ids, model) if echo else "", body.get("max_tokens") == 0,
                       metrics.timer()) for i, (text, ids) in enumerate(prompts)]
-    # the engine computes prompt logprobs for the prompt tokens it computes: a fresh salt keeps prefix-cache
-    # hits from leaving holes in them
-    salt = uuid.uuid4().hex if params.prompt_logprobs is not None else None
+    salt = None  # the engine computes every prompt token of a request that wants their logprobs (no holes)
     sse, failed = None, None
     try:
         outs = merged(engine, choices, params, head["id"], ticket, salt)

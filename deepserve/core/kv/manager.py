@@ -76,13 +76,15 @@ class KVCacheManager:
         return self.pool.usage
 
     def get_computed_blocks(
-        self, request_id: RequestId, token_ids: Sequence[int], cache_salt: str | None = None
+        self, request_id: RequestId, token_ids: Sequence[int], cache_salt: str | None = None, use_hits: bool = True
     ) -> tuple[list[int], int]:
         """Give a request with no pages the pages of its longest cached prefix of full blocks.
 
         Returns (pages, num_cached_tokens); the request now holds a reference to each page. The hit is capped at
         `len(token_ids) - 1` rounded down to a block boundary: the model must compute at least one token to
         produce logits. With prefix caching off this returns ([], 0) and only creates an empty table.
+        `use_hits=False`: compute every token (a request that wants its prompt's logprobs), while its full blocks
+        are still hashed and cached for others.
         """
         if request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds KV pages; free it before looking it up again")
@@ -93,7 +95,7 @@ class KVCacheManager:
         hashes = extend_block_hashes([], token_ids, self.block_size, cache_salt)
         self._hashes[request_id] = hashes
         self._salts[request_id] = cache_salt
-        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size if use_hits else 0
         hit: list[int] = []
         for block_hash in hashes[:max_blocks]:
             page = self.pool.get_cached(block_hash)

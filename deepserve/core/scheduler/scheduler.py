@@ -337,8 +337,10 @@ class Scheduler:
             if request.num_inflight_verifies:  # preempted while verifying: its length is known after the update
                 held.append(self.waiting.popleft())
                 continue
+            # a request that wants its prompt's logprobs computes every prompt token (a hit would skip them)
+            wants_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
             _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
-                                                        request.cache_salt)
+                                                        request.cache_salt, use_hits=not wants_prompt)
             request.num_computed_tokens = num_cached
             num_new = self._chunk_size(request, plan)
             if num_new == 0 or self.kv.allocate_slots(request.request_id, num_cached + num_new) is None:
