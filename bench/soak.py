@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,16 +26,12 @@ from pathlib import Path
 
 import aiohttp
 
+from server_event_loop import free_port, wait_healthy  # bench/, beside this script
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 PATHOLOGICAL = "([a-z]{1,30}[0-9]{1,30}){1500}"
 MODEL = "soak"  # the name the server is started with
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -52,8 +47,8 @@ def metric(text: str, name: str) -> float | None:
 
 
 class Soak:
-    def __init__(self, base: str, seconds: float, concurrency: int, seed: int) -> None:
-        self.base, self.seconds, self.concurrency = base, seconds, concurrency
+    def __init__(self, base: str, server: subprocess.Popen, seconds: float, concurrency: int, seed: int) -> None:
+        self.base, self.server, self.seconds, self.concurrency = base, server, seconds, concurrency
         self.rng = random.Random(seed)
         self.statuses: dict[str, int] = {}
         self.lags: list[float] = []
@@ -126,10 +121,12 @@ class Soak:
             self.lags.append(time.perf_counter() - began)
             await asyncio.sleep(0.2)
 
-    async def run(self, pid: int) -> dict:
-        until = time.monotonic() + self.seconds
-        rss: list[tuple[float, int]] = []
+    async def run(self) -> dict:
+        async with aiohttp.ClientSession(self.base) as probe:
+            await wait_healthy(probe, self.server)
+        pid, rss = self.server.pid, []
         start = time.monotonic()
+        until = start + self.seconds
 
         async def sample_rss():
             while time.monotonic() < until:
@@ -195,13 +192,7 @@ def main() -> None:
     server = subprocess.Popen(cmd, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        report = asyncio.run(Soak(base, args.seconds, args.concurrency, args.seed).run(server.pid))
+        report = asyncio.run(Soak(base, server, args.seconds, args.concurrency, args.seed).run())
     finally:
         server.send_signal(signal.SIGTERM)
         try:

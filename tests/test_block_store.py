@@ -54,6 +54,9 @@ async def test_memory_store_evicts_the_least_recently_used_past_its_capacity():
     ("memory://host/path", "memory store URI"),
     ("memory://?capacity_bytes=-3", "capacity_bytes must be a positive integer"),
     ("memory://?size=3", "unknown option"),
+    ("dir://relative/path", "absolute"),
+    ("dir:///tmp/x?capacity_bytes=lots", "capacity_bytes must be an integer"),
+    ("dir:///tmp/x?ttl=3", "unknown option"),
 ])
 def test_a_malformed_or_unserved_uri_names_the_problem(uri, message):
     with pytest.raises(ValueError, match=message):
@@ -188,13 +191,3 @@ async def test_dir_store_expires_by_ttl_class_and_evicts_lru_past_its_watermark(
     assert len(left) * 80 <= 400 and left == sorted(left)[-len(left):]  # the oldest went first
     with pytest.raises(ValueError, match="ttl_class"):
         await store.put_many([(keys([1])[0], b"x")], ttl_class="forever")
-
-
-@pytest.mark.parametrize("uri, message", [
-    ("dir://relative/path", "absolute"),
-    ("dir:///tmp/x?capacity_bytes=lots", "capacity_bytes must be an integer"),
-    ("dir:///tmp/x?ttl=3", "unknown option"),
-])
-def test_a_malformed_dir_uri_names_the_problem(uri, message):
-    with pytest.raises(ValueError, match=message):
-        registry().open(uri)

@@ -45,7 +45,7 @@ from deepserve.core.scheduler.scheduler import Scheduler, SchedulerOutput
 from deepserve.core.scheduler.cost_model import StepCostModel
 from deepserve.core.stop_checker import StopStringTracker, min_tokens_blocked_ids
 from deepserve.core.grammar_compiler import GrammarCompiler, timeout_message
-from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher
+from deepserve.core.structured import GrammarBackend, GrammarMatcher, GrammarTimeout
 from deepserve.core.tracking import GRAMMAR_ERROR_PREFIX, GrammarState, RequestTracker
 
 #: how long an idle `step()` waits for a grammar compile when nothing else can run
@@ -397,7 +397,7 @@ class EngineCore:
             del self._compiling[request_id]
             try:
                 if not grammar.future.done():
-                    raise GrammarError(timeout_message(grammar.spec, self.grammars.timeout))
+                    raise GrammarTimeout(timeout_message(grammar.spec, self.grammars.timeout))
                 compiled = grammar.future.result()
                 grammar.backend, grammar.matcher = compiled.backend, compiled.new_matcher()
             except Exception as exc:  # noqa: BLE001 - any failure of the user's grammar ends only this request

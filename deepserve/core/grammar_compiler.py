@@ -24,7 +24,8 @@ from typing import Any
 
 from deepserve.core.grammar_gate import GatedBackend
 from deepserve.core.grammar_isolation import CompileProcesses
-from deepserve.core.structured import GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec, TokenizerInfo
+from deepserve.core.structured import (GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec, GrammarTimeout,
+                                       TokenizerInfo)
 
 
 class GrammarBusy(GrammarError):
@@ -138,8 +139,7 @@ class GrammarCompiler:
                 else:
                     self._in_flight.pop(client, None)
             error = None if future.cancelled() else future.exception()
-            if isinstance(error, GrammarError) and "grammar compile timeout" in str(error) \
-                    and self._cache.get(key) is future:
+            if isinstance(error, GrammarTimeout) and self._cache.get(key) is future:
                 del self._cache[key]
 
     def forget(self, spec: GrammarSpec) -> None:
@@ -158,7 +158,7 @@ class GrammarCompiler:
             return future.result(timeout=timeout)
         except FutureTimeout:
             self.forget(spec)
-            raise GrammarError(timeout_message(spec, timeout)) from None
+            raise GrammarTimeout(timeout_message(spec, timeout)) from None
 
     def _gated(self, compiling: Future, open_token: int) -> Future:
         gated: Future = Future()

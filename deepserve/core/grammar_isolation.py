@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from deepserve.core.structured import GrammarBackend, GrammarError, GrammarSpec, TokenizerInfo
+from deepserve.core.structured import GrammarBackend, GrammarError, GrammarSpec, GrammarTimeout, TokenizerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class CompileProcesses:
             status, value = child.conn.recv()
         except TimeoutError:
             self._discard(child, killed=True)
-            raise GrammarError(f"compiling the {spec.description} took longer than the {timeout:g} s grammar "
+            raise GrammarTimeout(f"compiling the {spec.description} took longer than the {timeout:g} s grammar "
                                "compile timeout; it was stopped: simplify it or raise grammar_compile_timeout") from None
         except (EOFError, OSError) as exc:  # the child died (out of memory, a crash in the grammar engine)
             self._discard(child)

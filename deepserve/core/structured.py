@@ -33,6 +33,10 @@ class GrammarError(ValueError):
     compile that ran past its timeout. The message names the problem."""
 
 
+class GrammarTimeout(GrammarError):
+    """The spec's compile ran past the grammar compile timeout (and was stopped, where its backend allows)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """One request's constraint, canonical and hashable (it is part of the compile cache's key).

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from deepserve.core.outputs import CompletionOutput
 from deepserve.core.grammar_compiler import GrammarBusy, timeout_message
-from deepserve.core.structured import GrammarError, GrammarSpec
+from deepserve.core.structured import GrammarError, GrammarSpec, GrammarTimeout
 from deepserve.server.errors import ApiError, presented_api_keys
 from deepserve.server.http import json_type
 
@@ -230,9 +230,9 @@ async def compile_grammar(engine: Any, spec: GrammarSpec, field: str, client: st
     except GrammarBusy as exc:
         raise ApiError(429, str(exc), param=field, code="too_many_grammar_compiles",
                        headers={"Retry-After": "1"}) from None
+    except GrammarTimeout as exc:  # stopped in its compile process at the timeout
+        raise ApiError(400, str(exc), param=field, code="grammar_compile_timeout") from None
     except GrammarError as exc:
-        if "grammar compile timeout" in str(exc):  # stopped in its compile process at the timeout
-            raise ApiError(400, str(exc), param=field, code="grammar_compile_timeout") from None
         raise ApiError(400, f"invalid structured output in '{field}': {exc}", param=field,
                        code="invalid_structured_output") from None
     except BaseException as exc:  # a grammar engine's own failure (a Rust panic included) on the user's spec

@@ -19,8 +19,7 @@ from deepserve.sampling import sample as _sample
 
 from . import exact as _ex
 
-# the formulas' primitives, by mode: float64 results from `exact`, the inputs' dtype from torch
-_EXACT = _ex
+# the formulas' primitives, by mode: float64 results from `exact` (`_ex`), the inputs' dtype from torch
 _TORCH = SimpleNamespace(
     matmul=lambda a, b, b_slices=None: torch.matmul(a, b),
     grid_sum=lambda x, dim, keepdim=False: x.sum(dim=dim, keepdim=keepdim),
@@ -49,9 +48,9 @@ class ReferenceBackend(Backend):
     def __init__(self, device: str = "cpu", exact: bool = True) -> None:
         self._device = str(torch.device(device))
         self.exact = exact
-        self._num = _EXACT if exact else _TORCH
+        self._num = _ex if exact else _TORCH
         self._weight_slices = _ex.WeightSlices()
-        self._rope_tables = _ex.OwnerCache()  # inv_freq -> (sin, cos) [positions, rd/2] fp32
+        self._rope_tables = _ex.OwnerCache()  # inv_freq -> (positions held, sin, cos [positions, rd/2] fp32)
 
     @property
     def device(self) -> str:
@@ -72,7 +71,7 @@ class ReferenceBackend(Backend):
             return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
         hi, lo = self._weight_slices.slices(weight)  # [G, N, K], each row sliced over K
         out = _ex.matmul(x.transpose(0, 1), weight.transpose(1, 2),
-                           b_slices=(hi.transpose(1, 2), lo.transpose(1, 2)))  # [G, T, N]
+                         b_slices=(hi.transpose(1, 2), lo.transpose(1, 2)))  # [G, T, N]
         return out.transpose(0, 1).to(x.dtype)
 
     # -- elementwise -------------------------------------------------------------------------------------------
@@ -107,13 +106,10 @@ class ReferenceBackend(Backend):
         """sin and cos of the angles `position * inv_freq` (fp32, as the reference forms them), [T, rd/2] fp32.
         Exact mode reads them from a table per `inv_freq` (the same values: each entry is elementwise), grown to
         the largest position seen, because the series cost more than the rest of the rotation."""
-        if not self.exact:
-            angles = positions.float()[:, None] * inv_freq.float()[None, :]
-            return torch.sin(angles), torch.cos(angles)
-        low, high = (int(v) for v in torch.aminmax(positions)) if positions.numel() else (0, 0)
-        if low < 0:  # not a position a table holds: the series for these angles
-            angles = positions.float()[:, None] * inv_freq.float()[None, :]
-            return tuple(t.float() for t in _ex.sincos(angles))
+        low, high = (int(v) for v in torch.aminmax(positions)) if positions.numel() and self.exact else (-1, 0)
+        if low < 0:  # torch's kernels, or not a position a table holds: these angles directly
+            sin, cos = self._num.sincos(positions.float()[:, None] * inv_freq.float()[None, :])
+            return sin.float(), cos.float()
         need = high + 1
 
         def table(freq: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
