@@ -12,3 +12,9 @@ python -m pip install -q -e ".[test]"
 # xgrammar's optional backend: its wheel declares triton and a CUDA torch as requirements, which it does not need
 # for grammar masks on the CPU; install it without them so the xgrammar tests run here too.
 python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+# The Redis block store's tests start a redis-server of their own (tests/test_cache_redis.py): Debian's package where
+# apt-get can install it (CI and developers' machines run as root); the tests skip, saying why, without one.
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } \
+        >/dev/null 2>&1 || echo "bootstrap: could not install redis-server; the Redis store tests will skip" >&2
+fi

@@ -89,7 +89,7 @@ class DirStore(BlockStore):
     def _relative(self, key: BlockKey) -> Path:
         ns = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
         pool = "".join(c if c.isalnum() or c in "-_" else "_" for c in key.pool) or "_"
-        return Path(ns) / pool / f"{key.block_hash & (2**64 - 1):016x}.blk"
+        return Path(ns) / pool / f"{key.block_hash & (2**256 - 1):016x}.blk"
 
     def _find(self, key: BlockKey) -> Path | None:
         rel = self._relative(key)

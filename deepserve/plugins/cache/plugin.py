@@ -1,6 +1,6 @@
 """The built-in block stores, contributed through `deepserve_register_cache_backends` by the URI scheme each
-serves: `memory` (`memory_store.py`) and `dir` (`dir_store.py`: a 3FS mount or any shared directory). Redis and
-the erasure-coded stores register here too as the cache system brings them."""
+serves: `memory` (`memory_store.py`), `dir` (`dir_store.py`: a 3FS mount or any shared directory) and `redis` /
+`rediss` (`redis_store.py`: a Redis server through redis-py's asyncio client)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,15 @@ def make_dir_store(uri: str) -> BlockStore:
     return DirStore.from_uri(uri)
 
 
+def make_redis_store(uri: str) -> BlockStore:
+    from deepserve.plugins.cache.redis_store import RedisStore
+
+    return RedisStore.from_uri(uri)
+
+
 @hookimpl
 def deepserve_register_cache_backends(register: Register) -> None:
     register("memory", make_memory_store)
     register("dir", make_dir_store)
+    register("redis", make_redis_store)
+    register("rediss", make_redis_store)
