@@ -178,6 +178,11 @@ class EngineCore:
         if spec is not None and self.grammars is None:
             raise ValueError("structured outputs need a grammar backend, and this engine has none "
                              "(the model has no tokenizer.json, or no grammar backend plugin is installed)")
+        if params.uses_logits_processors:
+            if self.num_speculative_tokens:
+                raise ValueError("penalties, logit_bias and bad_words are not supported with speculative decoding")
+            if params.bad_words and params.bad_words_token_ids is None:
+                raise ValueError("bad_words need their token ids: call params.update_from_tokenizer(encode) first")
         request = Request(request_id, prompt_token_ids, params, cache_salt)
         seed = params.seed if params.seed is not None else hash((self.seed, next(self._counter))) & (2**63 - 1)
         detok = self.make_detokenizer(request.prompt_token_ids, params.skip_special_tokens) \
@@ -285,9 +290,13 @@ class EngineCore:
                     self.scheduler.drafts_in_flight(c.request_id, speculate)
                 else:
                     next_token = request.all_token_ids[end]
+            history = prompt = ()
+            if c.samples and params.reads_output_history:  # a copy: this thread appends while the step runs
+                history = tuple(request.output_token_ids)
+                prompt = request.prompt_token_ids if params.repetition_penalty != 1.0 else ()
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
                                      blocked, targets, snaps, c.num_draft_tokens, next_token, speculate or 0,
-                                     c.relative, c.forced_drafts))
+                                     c.relative, c.forced_drafts, history, prompt))
         return StepInput(tuple(chunks), plan.finished_request_ids + plan.preempted_request_ids,
                          masks.masks if masks is not None else None)
 

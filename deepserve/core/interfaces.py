@@ -14,7 +14,7 @@ stays torch-free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -191,6 +191,11 @@ class ChunkInput:
     computes the page snapshots itself. `exact_drafts`: the drafts are tokens the request's grammar forces, not
     the drafter's; each is kept when it equals the token the target samples at its position (greedy or with the
     request's own seed), so the tokens are exactly those of plain decoding.
+
+    Logits processing that reads what the request generated (`SamplingParams.reads_output_history`: penalties,
+    multi-token bad words) gets, on its sampling chunks, `output_token_ids`: the output tokens known when the step
+    was planned (the chunk's `PLACEHOLDER`s are the ones after them), and for a repetition penalty
+    `prompt_token_ids`. Empty for every other chunk.
     """
 
     request_id: str
@@ -208,6 +213,8 @@ class ChunkInput:
     num_speculative_tokens: int = 0
     relative: bool = False
     exact_drafts: bool = False
+    output_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)

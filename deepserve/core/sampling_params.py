@@ -66,6 +66,15 @@ class SamplingParams:
     `"backend"`, `"compact_json"` and `"ascii_classes"` (see `deepserve.core.structured.GrammarSpec`).
     After construction `stop` is always a list of strings, `stop_token_ids` a list of ints (maybe empty) and
     `structured_outputs` a `GrammarSpec` or None.
+
+    Logits processing (vLLM's semantics, applied on the device before temperature and the filters; a request
+    that sets none of these pays nothing): `presence_penalty` / `frequency_penalty` in [-2, 2] subtract from
+    each token's logit once if it occurs in the output so far / once per occurrence; `repetition_penalty` > 0
+    (1 = off) divides a positive logit (multiplies a negative one) of every token in the prompt or the output;
+    `logit_bias` maps token ids to a number in [-100, 100] added to their logit; `bad_words` are strings the
+    output must not contain as tokens: `update_from_tokenizer(encode)` turns them into `bad_words_token_ids`
+    (each word with and without a leading space, as vLLM does), which the engine needs; a one-token word is
+    never sampled, a longer one's last token is blocked where the output ends with the word's other tokens.
     """
 
     n: int = 1
@@ -84,6 +93,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: GrammarSpec | dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int_field("n", self.n, minimum=1)
@@ -123,6 +138,69 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
             self.structured_outputs = GrammarSpec.parse(self.structured_outputs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float_field(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float_field("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            items = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) and w for w in items):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(items) or None
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {words!r}")
+            self.bad_words_token_ids = [[operator.index(t) for t in w] for w in words] or None
+
+    @staticmethod
+    def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.60}")
+        result = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+            if not _is_int(token) or operator.index(token) < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative ints), got {key!r}")
+            value = _float_field(f"logit_bias[{key!r}]", value)
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {value}")
+            result[operator.index(token)] = value
+        return result or None
+
+    def update_from_tokenizer(self, encode) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids` with `encode` (text -> ids, no special tokens): each
+        word alone and after a space, the two spellings a word has mid-text (vLLM's rule). Idempotent."""
+        if not self.bad_words:
+            return
+        words: list[list[int]] = [list(w) for w in self.bad_words_token_ids or ()]
+        for word in self.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(encode(text))
+                if ids and ids not in words:
+                    words.append(ids)
+        self.bad_words_token_ids = words or None
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """True when a penalty, a logit bias or bad words change this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.bad_words_token_ids or self.bad_words)
+
+    @property
+    def reads_output_history(self) -> bool:
+        """True when the logits processing reads the tokens generated so far (penalties, multi-token bad
+        words): the engine then hands the runner this request's output token ids every step."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or any(len(w) > 1 for w in self.bad_words_token_ids or ()))
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

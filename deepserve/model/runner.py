@@ -34,6 +34,7 @@ from .cuda_graphs import DecodeGraphs
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
 from .kv_cache import PagedKVCache
 from .grammar_mask import mask_bias
+from .logits_processors import process_logits
 from .speculation import Speculation
 from .speculative import Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
@@ -119,7 +120,8 @@ class ModelRunner(ModelExecutor):
         elif sampling:
             grammar = self._grammar_masks(step.masks, sampling, logits.shape[-1], out)
             sampled_rows = to_device([last_rows[i] for i in sampling], torch.long, self.device)
-            tokens = self._sample(logits[sampled_rows], picked, grammar)
+            tokens = self._sample(process_logits(self._masked(logits[sampled_rows], picked), picked, batch.token_ids,
+                                                 [batch.chunks[i].offset for i in sampling]), picked, grammar)
             self._prev = (tokens, {c.request_id: row for row, c in enumerate(picked)})
             if not deferred:
                 for c, token in zip(picked, tokens.tolist()):  # the step's one planned device-to-host copy
@@ -228,7 +230,7 @@ class ModelRunner(ModelExecutor):
         return suppress_tokens(logits, to_device(r, torch.long, self.device), to_device(t, torch.long, self.device))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ChunkInput], grammar=None) -> torch.Tensor:
-        logits = self._masked(logits, chunks)
+        """`logits`: the sampled rows', min_tokens' blocked ids and the requests' logits processing applied."""
         if grammar is not None:  # `logits` is a gathered copy: masking it leaves the logprobs' logits alone
             rows, bias = grammar
             bias = bias.to(logits.dtype)
