@@ -18,6 +18,7 @@ request slower by at most its deadline, never fail it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -156,12 +157,19 @@ class StoreRegistry:
         return sorted(self.factories)
 
     def open(self, uri: str) -> BlockStore:
+        """The store `uri` names. A factory that takes a `registry` keyword gets this registry, to open the child
+        stores its URI names (the `ec:` wrapper over `dir://` or `redis://` children)."""
         scheme, sep, _ = uri.partition(":")
         if not sep or not scheme:
             raise ValueError(f"a block store is named by a URI such as 'memory://', got {uri!r}")
         if scheme not in self.factories:
             raise ValueError(f"no block store serves the scheme {scheme!r} (of {uri!r}); installed: {self.schemes}")
-        store = self.factories[scheme](uri)
+        factory = self.factories[scheme]
+        try:
+            composite = "registry" in inspect.signature(factory).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: an ordinary factory
+            composite = False
+        store = factory(uri, registry=self) if composite else factory(uri)
         if not isinstance(store, BlockStore):
             raise TypeError(f"the {scheme!r} store factory returned {type(store).__name__}, not a BlockStore")
         return store
