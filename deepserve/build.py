@@ -74,8 +74,14 @@ def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
     return EngineConfig.from_options(model, **options)
 
 
-def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
-    """One engine from `config`; `plugin_manager` defaults to `make_plugin_manager(config.load_plugins)`."""
+def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=None) -> EngineParts:
+    """One engine from `config`; `plugin_manager` defaults to `make_plugin_manager(config.load_plugins)`.
+
+    With `data_parallel_size` > 1 or `enable_expert_parallel` (and no `rank`), the engine is the data-parallel
+    front (`deepserve.distributed.front.DataParallelEngine`): this starts the ranks and returns once they are
+    ready. A rank process calls it with its `rank` (`deepserve.distributed.launch.RankContext`) and, under
+    expert parallelism, the ranks' process `group`: then the model holds this rank's experts only and the runner
+    steps in lockstep with the other ranks (`deepserve.distributed.rank`)."""
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
@@ -83,8 +89,17 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
+    if config.distributed and rank is None:
+        return _build_front(config, pm)
     backend = select_backend(pm, config)
-    model = load_model(config.model, backend, config.dtype)
+    placement = None
+    if rank is not None and config.enable_expert_parallel:
+        from deepserve.distributed.expert_parallel import load_expert_parallel_model
+
+        placement = expert_placement(config, rank.world_size)
+        model = load_expert_parallel_model(config.model, backend, config.dtype, placement, rank.rank)
+    else:
+        model = load_model(config.model, backend, config.dtype)
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
@@ -106,14 +121,20 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
                           cfg.eos_token_ids, verify_planner=planner.plan if planner is not None else None)
     graphs = None
-    if backend.cuda_graphs and not config.enforce_eager and proposer is None:
+    # the built-in transport reads counts on the host each exchange: no CUDA graph can hold a step through it
+    if backend.cuda_graphs and not config.enforce_eager and proposer is None and placement is None:
         graphs = DecodeGraphs(model, cache, max_num_seqs, math.ceil(max_model_len / block_size))
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
     runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs)
+    executor = runner
+    if placement is not None:
+        executor = _lockstep(pm, config, runner, placement, group)
     detok = (lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip)) if tokenizer else None
     spec = config.speculative_config
-    engine = EngineCore(scheduler, runner, page_size=block_size, enable_prefix_caching=config.enable_prefix_caching,
-                        make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
+    # ranks in lockstep run each step's forward (and its exchanges) inside step(): see deepserve.distributed.rank
+    async_scheduling = config.async_scheduling and placement is None
+    engine = EngineCore(scheduler, executor, page_size=block_size, enable_prefix_caching=config.enable_prefix_caching,
+                        make_detokenizer=detok, cost_model=cost_model, async_scheduling=async_scheduling,
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                         verify_planner=planner)
@@ -122,6 +143,45 @@ def build_engine(config: EngineConfig, plugin_manager=None) -> EngineParts:
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
     return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, cache,
                        cost_model, graphs, runner, engine, stores)
+
+
+def expert_placement(config: EngineConfig, world_size: int):
+    """The expert placement of `config`: `expert_placement` (a `phy2log` array-like [sites, physical], or a JSON
+    file of one; a table of the decoder layers only gets the static rows for the MTP sites), else the static one
+    with `num_redundant_experts` copies."""
+    import json
+
+    from deepserve.distributed.expert_parallel import num_moe_sites
+    from deepserve.distributed.placement import ExpertPlacement
+    from deepserve.model.loader import read_config
+
+    cfg = read_config(config.model)
+    sites = num_moe_sites(config.model)
+    table = config.expert_placement
+    if table is None:
+        return ExpertPlacement.uniform(sites, cfg.n_routed_experts, world_size, config.num_redundant_experts)
+    if isinstance(table, (str, Path)):
+        table = json.loads(Path(table).read_text())
+    rows = [list(row) for row in table]
+    if len(rows) == cfg.num_hidden_layers < sites:
+        static = ExpertPlacement.uniform(sites - len(rows), cfg.n_routed_experts, world_size,
+                                         len(rows[0]) - cfg.n_routed_experts)
+        rows += static.phy2log.tolist()
+    return ExpertPlacement.from_phy2log(rows, cfg.n_routed_experts, world_size)
+
+
+def _lockstep(pm, config: EngineConfig, runner, placement, group):
+    """The rank's runner wrapped to step with the others, through the transport `config.expert_transport`."""
+    from deepserve.distributed.expert_parallel import attach, rank_experts
+    from deepserve.distributed.rank import LockstepExecutor
+
+    factories = collect_registrations(pm, "deepserve_register_expert_transports")
+    if config.expert_transport not in factories:
+        raise ValueError(f"expert_transport {config.expert_transport!r} is not a registered transport; "
+                         f"available: {sorted(factories)}")
+    transport = factories[config.expert_transport](group, placement, rank_experts(runner.model, runner.backend))
+    attach(runner.model, placement, transport)
+    return LockstepExecutor(runner, transport)
 
 
 def _proposer(pm, config: EngineConfig, model):
@@ -158,3 +218,101 @@ def _default_budget(backend: Backend, utilization: float) -> int:
         return DEFAULT_CPU_KV_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
     return max(int(free - (1 - utilization) * total), 0)
+
+
+# -- scale-out: the front and the rank processes --------------------------------------------------------------
+def _build_front(config: EngineConfig, pm) -> EngineParts:
+    """Start this machine's ranks and the front that drives them (see `build_engine`)."""
+    import zmq
+
+    from deepserve.distributed.front import DataParallelEngine, RemoteModel
+    from deepserve.distributed.launch import free_port, rank_contexts, start_ranks
+    from deepserve.model.loader import read_config
+    from deepserve.model.tokenizer import Tokenizer
+
+    routers = collect_registrations(pm, "deepserve_register_dp_routers")
+    if config.data_parallel_router not in routers:
+        raise ValueError(f"data_parallel_router {config.data_parallel_router!r} is not a registered policy; "
+                         f"available: {sorted(routers)}")
+    cfg = read_config(config.model)
+    if config.enable_expert_parallel:
+        expert_placement(config, config.data_parallel_size)  # refuse an impossible placement before any start
+    port = config.data_parallel_rpc_port or free_port(config.data_parallel_address)
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(f"tcp://{config.data_parallel_address}:{port}")
+    processes = start_ranks(serve_rank, config, rank_contexts(config, port))
+    try:
+        engine = DataParallelEngine(socket, config.data_parallel_size, routers[config.data_parallel_router](
+            config.data_parallel_size), processes, vocab_size=cfg.vocab_size,
+            start_timeout=config.data_parallel_timeout)
+    except BaseException:
+        for proc in processes:
+            proc.kill()
+        socket.close(linger=0)
+        raise
+    tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
+    logger.info("deepserve: %s on %d data-parallel ranks%s, rank weights %s MiB", config.model,
+                config.data_parallel_size, " with expert parallelism" if config.enable_expert_parallel else "",
+                [round(b / 2**20, 1) for b in engine.weight_bytes])
+    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+    return EngineParts(config, pm, None, RemoteModel(cfg), tokenizer, engine.max_model_len, None, None, None, None,
+                       None, None, engine, stores)
+
+
+def serve_rank(config: EngineConfig, context) -> None:
+    """A rank process's body (`deepserve.distributed.launch.start_ranks` spawns it): join the group, build this
+    rank's engine, tell the front it is ready, and run the rank loop until the front says stop."""
+    import dataclasses
+
+    import torch
+    import zmq
+
+    from deepserve.distributed import messages
+    from deepserve.distributed.launch import init_process_group
+    from deepserve.distributed.rank import LockstepExecutor, RankLoop
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {context.rank} %(levelname)s %(message)s")
+    if config.device is None and context.dist_backend == "nccl":
+        local = context.rank - config.data_parallel_start_rank
+        config = dataclasses.replace(config, device=f"cuda:{local}")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank-{context.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(context.front_endpoint)
+    group = None
+    try:
+        group = init_process_group(context) if config.enable_expert_parallel else None
+        parts = build_engine(config, rank=context, group=group)
+        executor = parts.engine.executor
+        weights = sum(t.numel() * t.element_size() for t in parts.model.state_dict().values())
+        ready = messages.Ready(context.rank, parts.max_model_len, config.max_num_seqs, weights,
+                               messages.snapshot_to_wire(parts.engine.snapshot()))
+        RankLoop(context.rank, parts.engine, sock, group,
+                 executor if isinstance(executor, LockstepExecutor) else None, ready).run()
+    except Exception as exc:
+        sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank, f"{type(exc).__name__}: {exc}")))
+        raise
+    finally:
+        if group is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sock.close()
+
+
+def run_headless(config: EngineConfig) -> None:
+    """`deepserve serve --headless`: start this machine's ranks of a multi-node deployment (whose front runs on
+    another machine, at `data_parallel_address:data_parallel_rpc_port`) and wait for them to end."""
+    from deepserve.distributed.launch import rank_contexts, start_ranks
+
+    if config.data_parallel_rpc_port is None:
+        raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address): the front's port")
+    processes = start_ranks(serve_rank, config, rank_contexts(config, config.data_parallel_rpc_port))
+    try:
+        for proc in processes:
+            proc.join()
+    finally:
+        for proc in processes:
+            if proc.is_alive():
+                proc.terminate()
+    failed = [p.name for p in processes if p.exitcode]
+    if failed:
+        raise RuntimeError(f"rank process(es) {failed} ended with an error")

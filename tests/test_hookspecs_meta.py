@@ -22,9 +22,11 @@ def hookspec_functions() -> dict[str, Callable]:
 HOOKS = hookspec_functions()
 
 
-def test_the_hooks_are_the_six_of_the_design():
+def test_the_hooks_are_the_eight_of_the_design():
     assert sorted(HOOKS) == [
         "deepserve_register_cache_backends",
+        "deepserve_register_dp_routers",
+        "deepserve_register_expert_transports",
         "deepserve_register_grammar_backends",
         "deepserve_register_proposers",
         "deepserve_register_routes",

@@ -18,6 +18,7 @@ LAYERS = {
     "deepserve.sampling": 1,
     "deepserve.backends": 2,
     "deepserve.model": 2,
+    "deepserve.distributed": 2.5,  # above the model it wires, below the plugins that implement its seams
     "deepserve.plugins": 3,
     "deepserve.build": 4,
     "deepserve.llm": 5,

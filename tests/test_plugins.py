@@ -34,6 +34,8 @@ from deepserve.core.plugins import (
 
 REGISTER_HOOK_NAMES = [
     "deepserve_register_cache_backends",
+    "deepserve_register_dp_routers",
+    "deepserve_register_expert_transports",
     "deepserve_register_grammar_backends",
     "deepserve_register_proposers",
     "deepserve_register_routes",

@@ -127,6 +127,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     quantization_config: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: routed expert slots this process holds under expert parallelism (deepserve/distributed); None: all
+    #: `n_routed_experts`. Not a checkpoint field: set by the rank's loader, never read from config.json.
+    num_local_experts: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -386,6 +389,15 @@ class EngineConfig:
       reference's exact ops; on NVIDIA its reference ops on the GPU, slow); False for the fastest ones (the CPU
       reference on torch's kernels: 2.6-4x faster, not batch-invariant); None, each backend's default (CPU
       exact, NVIDIA fast). `DEEPSERVE_BATCH_INVARIANT` sets it when not given.
+    - Scale-out (docs/distributed.md; vLLM's names): `data_parallel_size` ranks, one engine process each
+      (attention data-parallel: each its own scheduler, pages and requests) behind a front; with
+      `enable_expert_parallel` the routed experts are sharded over the ranks (`num_redundant_experts` extra
+      slots hold copies; `expert_placement` a `phy2log` table [sites, physical] instead of the static one;
+      `expert_transport` the registered transport, `all_to_all` built in). Several machines:
+      `data_parallel_size_local` ranks on this one from `data_parallel_start_rank`, all meeting at
+      `data_parallel_address:data_parallel_rpc_port` (the rendezvous one port above). `data_parallel_router`:
+      the front's policy plugin. `data_parallel_timeout`: seconds a collective, or a rank's start, may take.
+      `tensor_parallel_size` > 1 is refused: V4's attention has one KV head.
     """
 
     model: str | None = None
@@ -409,9 +421,22 @@ class EngineConfig:
     enforce_eager: bool = False
     load_plugins: bool = True
     batch_invariant: bool | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_router: str = "least_loaded"
+    data_parallel_timeout: float = 120.0
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: Any = None
+    expert_transport: str = "all_to_all"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_scale_out()
         if self.model is not None:
             self.model = str(self.model)
         if self.dtype not in DTYPES:
@@ -433,6 +458,46 @@ class EngineConfig:
             raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+
+    def _check_scale_out(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: DeepSeek-V4's attention has one "
+                "KV head, so it is not split across GPUs; use data_parallel_size N with enable_expert_parallel "
+                "(DP attention + EP MoE, as DeepInfer does)")
+        for name in ("data_parallel_size", "data_parallel_size_local"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        start, local = self.data_parallel_start_rank, self.local_data_parallel_size
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"data_parallel_start_rank must be a non-negative integer, got {start!r}")
+        if start + local > self.data_parallel_size:
+            raise ValueError(f"data_parallel_start_rank {start} + data_parallel_size_local {local} exceeds "
+                             f"data_parallel_size {self.data_parallel_size}")
+        port = self.data_parallel_rpc_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65535):
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port below 65535, got {port!r}")
+        if (start or local != self.data_parallel_size) and port is None:
+            raise ValueError("ranks on several machines need data_parallel_rpc_port (and data_parallel_address): "
+                             "every node must meet at the same address and port")
+        if not self.data_parallel_timeout > 0:
+            raise ValueError(f"data_parallel_timeout must be positive seconds, got {self.data_parallel_timeout}")
+        if isinstance(self.num_redundant_experts, bool) or not isinstance(self.num_redundant_experts, int) \
+                or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}")
+        if not self.enable_expert_parallel and (self.num_redundant_experts or self.expert_placement is not None):
+            raise ValueError("num_redundant_experts and expert_placement need enable_expert_parallel=True")
+
+    @property
+    def local_data_parallel_size(self) -> int:
+        """Ranks started on this machine."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def distributed(self) -> bool:
+        """True when the engine runs as ranks behind a front (data parallelism, expert parallelism or both)."""
+        return self.data_parallel_size > 1 or self.enable_expert_parallel
 
     @classmethod
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:

@@ -102,6 +102,42 @@ def deepserve_register_proposers(register: Register) -> None:
 
 
 @hookspec
+def deepserve_register_expert_transports(register: Register) -> None:
+    """Contribute expert-parallel transports: how routed tokens reach the ranks holding their experts and come
+    back (torch.distributed all-to-all, DeepEP, ...).
+
+    Called once in each rank process when an engine with `enable_expert_parallel` is built
+    (`deepserve.build.build_engine`), through `deepserve.core.plugins.collect_registrations`. The built-in
+    `deepserve.plugins.transports.plugin` registers `all_to_all`.
+
+    :param register: call `register(name, factory)` once per transport; `name` is unique across all plugins and
+        is what the engine option `expert_transport` (`--expert-transport`) selects. `factory(group, placement,
+        experts)` receives the ranks' `torch.distributed` process group, the
+        `deepserve.distributed.placement.ExpertPlacement` and this rank's `deepserve.distributed.transport.LocalExperts`,
+        and returns a `deepserve.distributed.transport.ExpertTransport` (its docstring states the contract:
+        ranks may be at different MoE sites in one exchange). Heavy imports (`deep_ep`) belong inside it; raise
+        `RuntimeError` saying what is missing when it cannot run here.
+    :return: nothing.
+    """
+
+
+@hookspec
+def deepserve_register_dp_routers(register: Register) -> None:
+    """Contribute routing policies for the data-parallel front: which rank serves each new request.
+
+    Called once when a front with `data_parallel_size` ranks is built (`deepserve.build.build_engine`), through
+    `deepserve.core.plugins.collect_registrations`. The built-in `deepserve.plugins.routers.plugin` registers
+    `least_loaded` (the default).
+
+    :param register: call `register(name, factory)` once per policy; `name` is unique across all plugins and is
+        what the engine option `data_parallel_router` (`--data-parallel-router`) selects. `factory(world_size)`
+        returns a `deepserve.distributed.router.Router`, whose `choose(request_id, prompt_token_ids, loads)` is
+        called on the front's engine thread once per request and returns a rank.
+    :return: nothing.
+    """
+
+
+@hookspec
 def deepserve_register_routes(register: Register) -> None:
     """Contribute extra HTTP routes to the server.
 

@@ -33,6 +33,8 @@ DEFAULT_PLUGINS: list[str] = [
     "deepserve.plugins.structured.plugin",
     "deepserve.plugins.speculative.plugin",
     "deepserve.plugins.cache.plugin",
+    "deepserve.plugins.transports.plugin",
+    "deepserve.plugins.routers.plugin",
 ]
 
 #: accelerator names the built-in backend plugins answer to

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -119,16 +120,22 @@ def read_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    experts: Callable[[str], Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read every tensor of a checkpoint, keyed by canonical name, dequantized and cast to `dtype` on `device`.
 
     Norms, mHC parameters, sinks, position biases and the router's correction bias stay fp32 (as in HF);
     `tid2eid` is int64. FP8/FP4 weights are paired with their `.scale` / `weight_scale_inv` companions.
     Raises `CheckpointError` (or `CheckpointConfigError`) naming the path or tensor at fault.
+
+    `experts` (expert parallelism): given a stacked prefix (`model.layers.3.mlp.experts`), the logical experts
+    this process holds there in slot order (a replica once per slot); only those are read (rows of a stacked
+    tensor, or the per-expert tensors named), and the stacked result has one row per slot.
     """
     config = read_config(model_dir)
     files = find_weight_files(model_dir)
-    stacker = ExpertStacker(config.n_routed_experts)
+    stacker = ExpertStacker(config.n_routed_experts if experts is None else None)
+    wanted: dict[str, list[int]] = {}  # prefix -> the distinct experts it holds, ascending (stacker indices)
     state: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         sources = _open_all(files, stack)
@@ -137,8 +144,19 @@ def read_checkpoint(
             raise CheckpointError(f"{model_dir}: scale tensor {orphans[0]!r} has no matching weight")
         names = [n for n in sources if not n.endswith(SCALE_SUFFIX)]
         for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
-            tensor = _get(sources, name).to(device)
+            piece = expert_piece(name)
+            prefix = piece[0] if piece is not None else name.rpartition(".")[0]
+            if experts is not None and (piece is not None or name.endswith(_STACKED)) and prefix not in wanted:
+                wanted[prefix] = sorted(set(experts(prefix)))
+            if experts is not None and piece is not None:
+                if piece[1] not in wanted[prefix]:
+                    continue  # another rank's expert: never read
+                piece = (prefix, wanted[prefix].index(piece[1]), piece[2])
             scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
+            if experts is not None and name.endswith(_STACKED) and scale_name not in sources:
+                state[name] = _cast(name, _rows(sources, name, wanted[prefix]).to(device), dtype)
+                continue
+            tensor = _get(sources, name).to(device)
             if name.endswith(".weight") and scale_name in sources:
                 try:
                     tensor = dequantize(tensor, _get(sources, scale_name).to(device))
@@ -147,8 +165,9 @@ def read_checkpoint(
             elif tensor.dtype in _QUANTIZED_DTYPES:
                 raise CheckpointError(f"{model_dir}: quantized tensor {name!r} ({tensor.dtype}) has no scale tensor")
             tensor = _cast(name, tensor, dtype)
-            piece = expert_piece(name)
             if piece is None:
+                if experts is not None and name.endswith(_STACKED):  # quantized stacked: read whole, keep rows
+                    tensor = tensor[wanted[prefix]]
                 state[name] = tensor
             else:
                 state.update(stacker.add(*piece, tensor))
@@ -156,7 +175,27 @@ def read_checkpoint(
         state.update(stacker.finish())
     except KeyError as exc:
         raise CheckpointError(f"{model_dir}: {exc.args[0]}") from exc
+    for prefix, distinct in wanted.items():  # distinct experts -> one row per slot (replicas repeated)
+        slots = [distinct.index(e) for e in experts(prefix)]
+        for leaf in _STACKED:
+            key = f"{prefix}.{leaf.lstrip('.')}"
+            if key in state and slots != list(range(len(distinct))):
+                state[key] = state[key][slots]
     return state
+
+
+#: the stacked routed-expert tensors' leaf names
+_STACKED = (".gate_up_proj", ".down_proj")
+
+
+def _rows(sources: dict[str, tuple[Any, str]], name: str, rows: list[int]) -> torch.Tensor:
+    """Only `rows` of a stacked tensor, read through safetensors' slices (the others stay on disk)."""
+    handle, key = sources[name]
+    try:
+        view = handle.get_slice(key)
+        return torch.cat([view[r : r + 1] for r in rows]) if rows else _get(sources, name)[:0]
+    except SafetensorError as exc:
+        raise CheckpointError(f"cannot read tensor {key!r}: {exc}") from exc
 
 
 def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, strict_unexpected: bool = False) -> None:

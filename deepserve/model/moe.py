@@ -3,6 +3,8 @@ table in the first layers; clamped SwiGLU experts; one shared expert added to ev
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -39,9 +41,13 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """The routed experts' weights, stacked: all `n_routed_experts`, or under expert parallelism the
+    `num_local_experts` slots this rank holds (`deepserve.distributed.placement`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        E = cfg.num_local_experts if cfg.num_local_experts is not None else cfg.n_routed_experts
+        I, D = cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
 
@@ -78,9 +84,18 @@ class MoE(nn.Module):
         self.gate = Router(cfg, backend, is_hash=mlp_type == HASH_MOE)
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg, backend)
+        self.expert_parallel: ExpertParallelSite | None = None
+
+    def enable_expert_parallel(self, site: ExpertParallelSite) -> None:
+        """Route this layer's tokens to the ranks that hold their experts (`self.experts` holds this rank's
+        slots only); the shared expert stays local."""
+        self.expert_parallel = site
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
+        if self.expert_parallel is not None:
+            pair_outputs = self.expert_parallel.exchange(x, ids)
+            return combine_in_expert_order(pair_outputs, ids, weights, x.dtype) + self.shared_experts(x)
         shared_w13 = self.shared_experts.gate_up_weight()
         if shared_w13 is not None:  # the backend's routed + shared experts in one pass, where it has one
             fused = self.backend.moe_with_shared(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,
@@ -91,3 +106,41 @@ class MoE(nn.Module):
             x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, self.limit
         )
         return routed + self.shared_experts(x)
+
+
+class ExpertParallelSite(Protocol):
+    """One MoE site's handle on the expert-parallel transport (`deepserve.distributed.expert_parallel`)."""
+
+    def exchange(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each routed pair's expert output [T, k, D] (x's dtype, before the routing weight), wherever it ran."""
+
+
+def combine_in_expert_order(pair_outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """`sum_k weights[t, k] * pair_outputs[t, k]` in fp32, each token's terms added in ascending expert id from
+    zero, then cast to `dtype`: the reference backend's `moe_experts` order, so that expert parallelism gives the
+    bits of one process."""
+    order = torch.argsort(ids, dim=1, stable=True)
+    terms = pair_outputs.gather(1, order[..., None].expand_as(pair_outputs)).float()
+    terms = terms * weights.gather(1, order).float()[..., None]
+    out = torch.zeros(terms.shape[0], terms.shape[2], dtype=torch.float32, device=terms.device)
+    for j in range(terms.shape[1]):
+        out += terms[:, j]
+    return out.to(dtype)
+
+
+def expert_rows(backend: Backend, rows: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                limit: float) -> torch.Tensor:
+    """`W2_e(swiglu(W13_e row))` for each row with expert `slots[i]` of the stacked `w13` / `w2`, in the rows'
+    dtype: the reference `moe_experts` formula, one GEMM per expert over its rows."""
+    out = torch.empty_like(rows)
+    order = torch.argsort(slots, stable=True)
+    start = 0
+    for expert, count in enumerate(torch.bincount(slots, minlength=w13.shape[0]).tolist()):
+        if count == 0:
+            continue
+        sel = order[start : start + count]
+        start += count
+        gate, up = backend.linear(rows[sel], w13[expert]).chunk(2, dim=-1)
+        out[sel] = backend.linear(backend.swiglu(gate, up, limit), w2[expert])
+    return out

@@ -1,0 +1,143 @@
+"""One data-parallel rank's loop: its own engine (scheduler, KV pages, requests), requests in from the front over
+ZMQ, outputs back, and, under expert parallelism, steps taken together with the other ranks.
+
+Each iteration under expert parallelism:
+1. take the front's messages (add, abort, shutdown) without waiting, or waiting up to `idle_poll` when the
+   last iteration found every rank idle;
+2. one all-reduce (MAX) of [this rank has work, this rank was asked to stop]: every rank learns whether any
+   has work, and they all stop in the same iteration;
+3. if any has work, each steps its engine once. The engine's runner is wrapped in a `LockstepExecutor`, whose
+   `execute` ends with the transport's `finish_step`; a rank whose engine launched nothing runs
+   `finish_step` alone (its dummy step: it serves the others' experts and sends no rows);
+4. outputs and the counters go to the front.
+Without expert parallelism the ranks share nothing, and each loop just serves its own engine.
+The engine runs synchronously here (`async_scheduling` off): a step's forward, and so its exchanges, are over
+when `step()` returns, so that no two threads ever issue collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from deepserve.core.interfaces import ModelExecutor, StepInput, StepOutput
+
+from . import messages as m
+from .transport import ExpertTransport
+
+logger = logging.getLogger(__name__)
+
+#: seconds an idle rank waits for the front between all-reduces
+IDLE_POLL_SECONDS = 0.02
+
+
+class LockstepExecutor(ModelExecutor):
+    """The runner, ending every step with the transport's `finish_step` (see the module docstring)."""
+
+    def __init__(self, inner: ModelExecutor, transport: ExpertTransport) -> None:
+        self.inner, self.transport = inner, transport
+        self.num_steps = 0
+
+    def execute(self, step: StepInput) -> StepOutput:
+        out = self.inner.execute(step)
+        out.resolve()  # the step's exchanges are done once its samples are; then serve the others
+        self.transport.finish_step()
+        self.num_steps += 1
+        return out
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.inner.num_free_slots
+
+    def __getattr__(self, name):  # the runner's other members (stats, caches) stay reachable
+        return getattr(self.inner, name)
+
+
+class RankLoop:
+    """`engine`: this rank's `EngineCore`; `socket`: a ZMQ DEALER connected to the front; `group`: the
+    ranks' process group and `lockstep` the wrapped runner, both None without expert parallelism."""
+
+    def __init__(self, rank: int, engine, socket: zmq.Socket, group=None, lockstep: LockstepExecutor | None = None,
+                 ready: m.Ready | None = None) -> None:
+        self.rank, self.engine, self.socket, self.group, self.lockstep = rank, engine, socket, group, lockstep
+        self.ready = ready
+        self.stop_requested = False
+
+    def run(self) -> None:
+        try:
+            self.socket.send(m.to_front_encoder.encode(self.ready))
+            busy = True
+            while True:
+                changed = self._take_messages(0 if busy else int(IDLE_POLL_SECONDS * 1000))
+                has_work = self.engine.has_unfinished_requests()
+                any_work, stop = self._agree(has_work)
+                if stop:
+                    break
+                busy = any_work
+                outputs = list(changed)
+                if any_work:
+                    outputs += self._step(has_work)
+                if outputs or has_work:
+                    self._send_outputs(outputs)  # the counters too, for the front's /metrics
+        except Exception as exc:  # noqa: BLE001 - told to the front, which shuts every rank down
+            logger.exception("rank %d failed", self.rank)
+            self._send(m.RankFailed(self.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            raise
+        finally:
+            self.engine.shutdown()
+
+    def _agree(self, has_work: bool) -> tuple[bool, bool]:
+        if self.group is None:
+            return has_work, self.stop_requested
+        flags = torch.tensor([int(has_work), int(self.stop_requested)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0]), bool(flags[1])
+
+    def _step(self, has_work: bool) -> list:
+        if self.lockstep is None:
+            return self.engine.step() if has_work else []
+        before = self.lockstep.num_steps
+        outputs = self.engine.step() if has_work else []
+        if self.lockstep.num_steps == before:  # nothing launched here: the dummy step
+            self.lockstep.transport.finish_step()
+        return outputs
+
+    def _take_messages(self, wait_ms: int) -> list:
+        """Apply what the front sent; returns the outputs of aborts."""
+        outputs = []
+        while self.socket.poll(wait_ms):
+            wait_ms = 0
+            msg = m.to_rank_decoder.decode(self.socket.recv())
+            if isinstance(msg, m.AddRequest):
+                try:
+                    self.engine.add_request(msg.request_id, msg.prompt_token_ids, m.params_from_wire(msg.params),
+                                            prompt=msg.prompt, cache_salt=msg.cache_salt, final_only=msg.final_only)
+                except ValueError as exc:  # the front validated what it could; the rest ends the request here
+                    logger.warning("rank %d refused request %s: %s", self.rank, msg.request_id, exc)
+                    outputs.append(_refused(msg, str(exc)))
+            elif isinstance(msg, m.Abort):
+                outputs += self.engine.abort(msg.request_ids)
+            elif isinstance(msg, m.Shutdown):
+                self.stop_requested = True
+        return outputs
+
+    def _send_outputs(self, outputs: list) -> None:
+        self._send(m.StepOutputs(self.rank, [o if isinstance(o, m.WireOutput) else m.output_to_wire(o)
+                                             for o in outputs], m.snapshot_to_wire(self.engine.snapshot())))
+
+    def _send(self, msg) -> None:
+        try:
+            self.socket.send(m.to_front_encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            logger.warning("rank %d could not reach the front", self.rank)
+
+
+def _refused(msg: m.AddRequest, why: str) -> m.WireOutput:
+    return m.WireOutput(msg.request_id, msg.prompt, msg.prompt_token_ids, None,
+                        [m.WireCompletion(0, "", [], None, None, "abort", why)], True, 0,
+                        m.WireMetrics(time.time(), None, None, None, time.time()), 0, 0, 0)

@@ -1,0 +1,100 @@
+"""Data-parallel attention with expert-parallel MoE, on CPU with gloo: two rank processes behind the front, on
+the embedded tiny model. Outputs (tokens and logprobs, greedy and seeded) equal one process's bit for bit,
+with redundant experts and a shuffled placement, with prefix caching; aborts reach the right rank; a killed
+rank ends in `RankError` and no rank process is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from deepserve import LLM, SamplingParams
+from deepserve.distributed.front import DataParallelEngine, RankError
+
+OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
+PREFIX = [(7 * i) % 4000 + 2 for i in range(200)]  # more than a page: the second use takes a prefix hit
+PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13], list(range(40, 90)), PREFIX + [3, 4], PREFIX + [9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=6, logprobs=1)
+
+
+def summary(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(**OPTIONS)
+    return {name: summary(llm.generate(PROMPTS, params, use_tqdm=False))
+            for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
+@pytest.fixture(scope="module")
+def ep2():
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, **OPTIONS)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_two_ranks_give_one_process_outputs(ep2, reference, kind):
+    assert isinstance(ep2.engine, DataParallelEngine)
+    outputs = ep2.generate(PROMPTS, GREEDY if kind == "greedy" else SEEDED, use_tqdm=False)
+    assert summary(outputs) == reference[kind]
+
+
+def test_both_ranks_serve_and_prefix_hits_happen(ep2, reference):
+    before = [s.num_steps for s in ep2.engine.rank_snapshots]
+    outputs = ep2.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert summary(outputs) == reference["greedy"]
+    after = ep2.engine.rank_snapshots
+    assert all(a.num_steps > b for a, b in zip(after, before))  # least-loaded spread the prompts over both
+    assert sum(o.num_cached_tokens for o in outputs) > 0  # the shared prefix hit on whichever rank saw it again
+    total = ep2.engine.snapshot()
+    assert total.num_prefix_hits == sum(s.num_prefix_hits for s in after)
+    assert total.num_kv_pages_total == sum(s.num_kv_pages_total for s in after)
+
+
+def test_abort_reaches_the_rank_that_holds_the_request(ep2):
+    engine = ep2.engine
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], long)
+    engine.add_request("b", [8, 9, 10], SamplingParams(temperature=0, max_tokens=4))
+    assert set(engine._owner.values()) == {0, 1}  # one request on each rank
+    finished = {}
+    deadline = time.monotonic() + 120
+    engine.abort(["a"])
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["a"].outputs[0].finish_reason == "abort"
+    assert len(finished["a"].outputs[0].token_ids) < 400
+    assert finished["b"].outputs[0].finish_reason == "length" and len(finished["b"].outputs[0].token_ids) == 4
+
+
+def test_redundant_experts_and_a_shuffled_placement_change_nothing(reference):
+    table = [[3, 7, 0, 5, 1, 6, 2, 4, 7, 0]] * 7  # 10 slots: experts 7 and 0 twice, in no particular order
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, expert_placement=table, **OPTIONS)
+    try:
+        assert summary(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference["greedy"]
+        assert summary(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == reference["seeded"]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_killed_rank_is_an_error_and_every_rank_stops():
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, data_parallel_timeout=30, **OPTIONS)
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine.step()
+    victim = engine.processes[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    with pytest.raises(RankError, match="rank"):
+        while time.monotonic() < deadline:
+            engine.step()
+    assert all(not p.is_alive() for p in engine.processes)
