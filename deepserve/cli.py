@@ -53,7 +53,19 @@ def engine_options(args: argparse.Namespace) -> dict:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
         engine_kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
+    for name in SCALE_OUT_OPTIONS:  # docs/distributed.md
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
+    if args.enable_expert_parallel:
+        engine_kwargs["enable_expert_parallel"] = True
     return engine_kwargs
+
+
+#: `deepserve serve` flags that pass to the engine as they are, when given (vLLM's names)
+SCALE_OUT_OPTIONS = ("tensor_parallel_size", "data_parallel_size", "data_parallel_size_local",
+                     "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
+                     "data_parallel_router", "data_parallel_timeout", "num_redundant_experts", "expert_placement",
+                     "expert_transport")
 
 
 def thinking_default(args: argparse.Namespace) -> bool:
@@ -85,6 +97,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"model directory {model} does not exist")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
     engine_kwargs = engine_options(args)
+    from deepserve.build import resolve_config, run_headless
+
+    engine_config = resolve_config(model, **engine_kwargs)  # refuses impossible options before anything starts
+    if args.headless:  # this machine's ranks only; the front (and the API) run on the machine they connect to
+        run_headless(engine_config)
+        return 0
     config = ServerConfig(model=model, served_model_name=args.served_model_name,
                           api_key=args.api_key or env_value("DEEPSERVE_API_KEY") or None,
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
@@ -95,6 +113,37 @@ def _serve(args: argparse.Namespace) -> int:
                           default_max_tokens=args.default_max_tokens, engine_kwargs=engine_kwargs)
     run_server(config, args.host, args.port)
     return 0
+
+
+def _add_scale_out_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's data- and expert-parallel flags (docs/distributed.md)."""
+    group = serve.add_argument_group("scale-out (docs/distributed.md)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                       help="refused above 1: V4's attention has one KV head; use --data-parallel-size")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                       help="engine ranks, one process each (attention data-parallel)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="shard the routed experts over the ranks (the MoE expert-parallel)")
+    group.add_argument("--data-parallel-size-local", type=int, default=None,
+                       help="ranks started on this machine (default: all)")
+    group.add_argument("--data-parallel-start-rank", type=int, default=None,
+                       help="the first rank this machine starts (multi-node)")
+    group.add_argument("--data-parallel-address", default=None,
+                       help="where every node meets: the front's host (default 127.0.0.1)")
+    group.add_argument("--data-parallel-rpc-port", type=int, default=None,
+                       help="the front's ZMQ port; the torch.distributed rendezvous is the next one")
+    group.add_argument("--headless", action="store_true",
+                       help="start this machine's ranks only, for a front on --data-parallel-address")
+    group.add_argument("--data-parallel-router", default=None, help="the front's routing policy plugin "
+                       "(default least_loaded)")
+    group.add_argument("--data-parallel-timeout", type=float, default=None,
+                       help="seconds a rank's start or one collective may take before the ranks stop (default 120)")
+    group.add_argument("--num-redundant-experts", type=int, default=None,
+                       help="extra expert slots holding copies of experts (expert parallelism)")
+    group.add_argument("--expert-placement", default=None, metavar="JSON",
+                       help="a phy2log table [sites][physical slots] (EPLB's output) instead of the static one")
+    group.add_argument("--expert-transport", default=None, help="the expert-parallel transport plugin "
+                       "(default all_to_all)")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,6 +164,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        "GPU --gpu-memory-utilization)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    _add_scale_out_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="launch every decode step's kernels one by one instead of replaying CUDA graphs")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
