@@ -10,6 +10,7 @@ import importlib
 
 _MODELS: dict[str, tuple[str, str]] = {
     "deepseek_v4": ("deepserve.model.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "deepseek_v41": ("deepserve.model.v41", "DeepseekV41ForCausalLM"),
 }
 
 

@@ -1,0 +1,195 @@
+"""DeepSeek-V4.1 (`deepseek_v41`, `DeepseekV41ForCausalLM`): blocks with shifted mHC, CSA2 attention, Engram,
+MoE, the head, and the DSpark drafter (v41-architecture.md §2-§6).
+
+`forward(ids, state)` runs a sequence's new tokens (a prefill from position 0, or one decode token) over its
+caller-owned `V41SequenceState` and returns a `V41Output` (last or all-position logits, per-block outputs, the
+DSpark taps). `forward(..., forced=...)` feeds each block a given input instead of the previous block's output
+(the golden check's layer-forced protocol). `dspark_draft` drafts `dspark_block_size` tokens in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, DSparkAttention, Shared
+from .config import V41Config
+from .engram import Engram, EngramHasher
+from .moe import MoE
+from .numerics import QuantWeight, hc_collapse, hc_expand, hc_mixes, linear, rms_norm
+from .state import EngramStateSpec, V41SequenceState, contiguous_state, dspark_specs, layer_specs
+
+
+class Block(nn.Module):
+    """One layer: attention then MoE, each between an mHC collapse and expand. Shifted schedule: attention
+    collapses with the `pre` the previous block's FFN site computed, the FFN with this attention site's `pre`,
+    and this FFN site's `pre` goes to the next block."""
+
+    def __init__(self, cfg: V41Config, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn = DSparkAttention(cfg, layer) if layer >= cfg.n_layers else Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer)
+        self.engram = Engram(cfg, layer) if layer in cfg.engram_layer_ids and layer < cfg.n_layers else None
+        self.attn_norm = self.ffn_norm = None
+        self.hc_attn = self.hc_ffn = None  # (fn fp32 [(2+hc)*hc, hc*D], scale [3], base [(2+hc)*hc])
+
+    def _mix(self, x, site):
+        c = self.cfg
+        fn, scale, base = site
+        return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, hc, D] bf16, pre [S, hc] fp32; `attend(h)` runs this block's attention on the normed input."""
+        eps = self.cfg.norm_eps
+        a_pre, a_post, a_comb = self._mix(x, self.hc_attn)
+        h = attend(rms_norm(hc_collapse(x, pre), self.attn_norm, eps))
+        x = hc_expand(h, x, a_post, a_comb)
+        f_pre, f_post, f_comb = self._mix(x, self.hc_ffn)
+        h = self.ffn(rms_norm(hc_collapse(x, a_pre), self.ffn_norm, eps))
+        return hc_expand(h, x, f_post, f_comb), f_pre
+
+
+@dataclass
+class V41Output:
+    logits: torch.Tensor  # fp32 [S, vocab] (all positions) or [vocab] (last)
+    x_out: list[torch.Tensor] = field(default_factory=list)  # per block [S, hc, D] bf16
+    pre_out: list[torch.Tensor] = field(default_factory=list)  # per block [S, hc] fp32
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [S, k] rows (offset removed)
+    candidates: torch.Tensor | None = None  # candidate source's mask [S, T]
+    engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # engram layer -> [S, cols]
+    main_hidden: torch.Tensor | None = None  # DSpark taps: [S, len(targets) * D] bf16
+
+
+@dataclass
+class DSparkDraft:
+    tokens: list[int]  # the drafts, one per block row
+    logits: torch.Tensor  # fp32 [B, vocab] after the Markov bias
+    confidence_logit: torch.Tensor  # fp32 [B]: the confidence head's linear output (no sigmoid)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    main_state_owner = "layers"
+    default_state_owners = ("layers",)
+
+    def __init__(self, cfg, backend=None, tokenizer=None):
+        super().__init__()
+        self.cfg = cfg if isinstance(cfg, V41Config) else V41Config.from_hf(getattr(cfg, "raw", cfg))
+        self.backend = backend
+        c = self.cfg
+        self.layers = nn.ModuleList([Block(c, j) for j in range(c.n_layers)])
+        self.mtp = nn.ModuleList([Block(c, c.n_layers + i) for i in range(c.n_mtp_layers)])
+        self.embed = self.norm = self.head = None  # bf16 [V, D]; norm weight; fp32 head [V, D]
+        self.main_proj: QuantWeight | None = None
+        self.main_norm = self.mtp_norm = None
+        self.markov_embed = self.markov_head = self.confidence = None
+        self.hasher = EngramHasher.build(c, tokenizer) if c.engram_layer_ids and tokenizer is not None else None
+
+    # -- state owners ------------------------------------------------------------------------------------------
+    def state_owners(self) -> dict[str, list]:
+        """Per owner, one spec per layer: the backbone (`layers`: window-only, Full, Reuse, Reindex roles), the
+        DSpark blocks (`dspark_layers`: rings of main keys) and Engram's token history (`engram`)."""
+        owners = {"layers": layer_specs(self.cfg), "dspark_layers": dspark_specs(self.cfg)}
+        if self.cfg.engram_layer_ids:
+            owners["engram"] = [EngramStateSpec(history=self.cfg.engram_max_ngram_size - 1)]
+        return owners
+
+    def make_state(self, device=None) -> V41SequenceState:
+        return contiguous_state(self.state_owners(), device or "cpu")
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def embed_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.embed[ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        pre = torch.zeros(ids.shape[0], self.cfg.hc_mult, dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0
+        return h, pre
+
+    @torch.inference_mode()
+    def forward(self, ids, state: V41SequenceState, all_logits: bool = False, forced=None) -> V41Output:
+        """Run `ids` (token ids at positions state.num_tokens..) through the backbone, updating `state`.
+        forced: {block j: (x_in [S, hc, D], pre_in [S, hc])} inputs that replace block j-1's outputs."""
+        c = self.cfg
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        start = state.num_tokens
+        if c.image_token_id >= 0 and bool((ids == c.image_token_id).any()):
+            raise ValueError("image inputs need the V4.1 vision tower (the vision-encoder role), not built yet")
+        out = V41Output(logits=torch.empty(0))
+        row_ids = None
+        if self.hasher is not None:
+            row_ids, state.engram_history = self.hasher.hash(state.engram_history, ids)
+        elif c.engram_layer_ids:
+            raise RuntimeError("this V4.1 model has Engram layers but was built without a tokenizer")
+        h, pre = self.embed_streams(ids.to(self.embed.device))
+        shared, taps = Shared(), []
+        for j, blk in enumerate(self.layers):
+            if forced is not None and j in forced:
+                h, pre = forced[j]
+            if blk.engram is not None:
+                ids_j = row_ids[:, blk.engram.index]
+                out.engram_ids[j] = ids_j
+                h = blk.engram(h, ids_j)
+            if j in c.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
+            st = state.layers[j]
+            h, pre = blk(h, pre, lambda x, blk=blk, st=st: blk.attn(x, start, st, state, shared))
+            if blk.attn.index_source and shared.topk is not None:
+                off = c.window_size if start else ids.shape[0]
+                out.topk[j] = torch.where(shared.topk >= 0, shared.topk - off, -1)
+            if blk.attn.candidate_source:
+                out.candidates = shared.candidates
+            out.x_out.append(h)
+            out.pre_out.append(pre)
+        state.num_tokens = start + ids.shape[0]
+        hidden = rms_norm(hc_collapse(h, pre), self.norm, c.norm_eps)
+        out.logits = self.logits(hidden if all_logits else hidden[-1:])
+        out.logits = out.logits if all_logits else out.logits[0]
+        out.main_hidden = torch.cat(taps, dim=-1) if taps else None
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.head)
+
+    def final_logits(self, x_out: torch.Tensor, pre_out: torch.Tensor) -> torch.Tensor:
+        """All-position logits from the last block's streams and pre (for a layer-forced comparison)."""
+        return self.logits(rms_norm(hc_collapse(x_out, pre_out), self.norm, self.cfg.norm_eps))
+
+    # -- DSpark ------------------------------------------------------------------------------------------------
+    def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(linear(main_hidden, self.main_proj), self.main_norm, self.cfg.norm_eps)
+
+    @torch.inference_mode()
+    def dspark_seed(self, main_hidden: torch.Tensor, state: V41SequenceState) -> None:
+        """Write the main keys of `main_hidden`'s positions (from state.dspark_num_tokens on) into every DSpark
+        block's ring. A prefill seeds the rings this way; `dspark_draft` seeds its own position."""
+        mx = self.main_x(main_hidden)
+        for blk, st in zip(self.mtp, state.dspark):
+            blk.attn.seed(mx, state.dspark_num_tokens, st)
+        state.dspark_num_tokens += main_hidden.shape[0]
+
+    @torch.inference_mode()
+    def dspark_draft(self, golden: int, main_hidden: torch.Tensor, state: V41SequenceState) -> DSparkDraft:
+        """One DSpark pass after the main model emitted `golden` at position p + 1, where `main_hidden`
+        [1, taps*D] is position p's: the block [golden, noise...] at p+1.. drafts one token per row (argmax
+        after the Markov bias), with the confidence head's logits."""
+        c = self.cfg
+        p = state.dspark_num_tokens
+        mx = self.main_x(main_hidden)
+        block = torch.full((c.dspark_block_size,), c.dspark_noise_token_id, dtype=torch.long)
+        block[0] = golden
+        h, pre = self.embed_streams(block.to(self.embed.device))
+        for blk, st in zip(self.mtp, state.dspark):
+            h, pre = blk(h, pre, lambda x, blk=blk, st=st: blk.attn(x, p, st, mx))
+        state.dspark_num_tokens = p + 1
+        hidden = hc_collapse(h, pre)
+        logits = self.logits(rms_norm(hidden, self.mtp_norm, c.norm_eps))
+        toks, embeds = [golden], []
+        for i in range(c.dspark_block_size):
+            e = self.markov_embed[toks[-1]].unsqueeze(0)
+            logits[i] += F.linear(e.float(), self.markov_head)[0]
+            embeds.append(e[0])
+            toks.append(int(logits[i].argmax()))
+        conf = F.linear(torch.cat([hidden, torch.stack(embeds)], dim=-1).float(), self.confidence).squeeze(-1)
+        return DSparkDraft(tokens=toks[1:], logits=logits, confidence_logit=conf)
