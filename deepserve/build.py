@@ -263,6 +263,8 @@ def serve_rank(config: EngineConfig, context) -> None:
     """A rank process's body (`deepserve.distributed.launch.start_ranks` spawns it): join the group, build this
     rank's engine, tell the front it is ready, and run the rank loop until the front says stop."""
     import dataclasses
+    import os
+    import signal
 
     import torch
     import zmq
@@ -272,6 +274,10 @@ def serve_rank(config: EngineConfig, context) -> None:
     from deepserve.distributed.rank import LockstepExecutor, RankLoop
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {context.rank} %(levelname)s %(message)s")
+    # Ctrl-C (or a supervisor's SIGTERM) reaches the whole process group: the front drains and then stops the
+    # ranks itself, so a rank must not die under it; a rank whose front is gone stops on its own (RankLoop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.device is None and context.dist_backend == "nccl":
         local = context.rank - config.data_parallel_start_rank
         config = dataclasses.replace(config, device=f"cuda:{local}")
@@ -288,7 +294,7 @@ def serve_rank(config: EngineConfig, context) -> None:
         ready = messages.Ready(context.rank, parts.max_model_len, config.max_num_seqs, weights,
                                messages.snapshot_to_wire(parts.engine.snapshot()))
         RankLoop(context.rank, parts.engine, sock, group,
-                 executor if isinstance(executor, LockstepExecutor) else None, ready).run()
+                 executor if isinstance(executor, LockstepExecutor) else None, ready, parent_pid=os.getppid()).run()
     except Exception as exc:
         sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank, f"{type(exc).__name__}: {exc}")))
         raise
@@ -309,10 +315,11 @@ def run_headless(config: EngineConfig) -> None:
     try:
         for proc in processes:
             proc.join()
-    finally:
+    finally:  # interrupted here: the ranks ignore SIGINT / SIGTERM (the front stops them), so they are killed
         for proc in processes:
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
+                proc.join(5)
     failed = [p.name for p in processes if p.exitcode]
     if failed:
         raise RuntimeError(f"rank process(es) {failed} ended with an error")

@@ -98,3 +98,16 @@ def test_a_killed_rank_is_an_error_and_every_rank_stops():
         while time.monotonic() < deadline:
             engine.step()
     assert all(not p.is_alive() for p in engine.processes)
+
+
+def test_speculative_decoding_across_ranks_keeps_one_process_outputs():
+    spec = dict(OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = [o.outputs[0].token_ids for o in LLM(**spec).generate(PROMPTS[:3], params, use_tqdm=False)]
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, **spec)
+    try:
+        outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        assert llm.engine.snapshot().spec.num_verified_tokens > 0  # the MTP block's MoE ran through the ranks too
+    finally:
+        llm.engine.shutdown()

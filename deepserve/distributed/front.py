@@ -5,7 +5,7 @@ rank processes, each with its own engine; a `Router` plugin picks each request's
 
 `step()` waits a little for the ranks' outputs and returns them. A rank that reports a failure, or whose
 process ends, makes `step()` raise `RankError` naming it, after every rank has been shut down (asked, then
-terminated past `shutdown_timeout`), so a caller sees the error and no process is left behind.
+killed past `shutdown_timeout`), so a caller sees the error and no process is left behind.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class DataParallelEngine:
         return dataclasses.replace(total, num_speculative_tokens=self.rank_snapshots[0].num_speculative_tokens)
 
     def shutdown(self) -> None:
-        """Ask every rank to stop, wait up to `shutdown_timeout`, then terminate what is left."""
+        """Ask every rank to stop, wait up to `shutdown_timeout`, then kill what is left."""
         if self._closed:
             return
         self._closed = True
@@ -142,14 +142,11 @@ class DataParallelEngine:
         for proc in self.processes:
             proc.join(max(deadline - time.monotonic(), 0))
         for proc in self.processes:
-            if proc.is_alive():
-                logger.warning("rank process %s did not stop within %.0f s: terminating it", proc.name,
+            if proc.is_alive():  # ranks ignore SIGTERM (see deepserve.build.serve_rank): kill
+                logger.warning("rank process %s did not stop within %.0f s: killing it", proc.name,
                                self.shutdown_timeout)
-                proc.terminate()
+                proc.kill()
                 proc.join(5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
         self.socket.close(linger=0)
 
     # -- internals -----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ when `step()` returns, so that no two threads ever issue collectives.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 
@@ -63,9 +64,11 @@ class RankLoop:
     ranks' process group and `lockstep` the wrapped runner, both None without expert parallelism."""
 
     def __init__(self, rank: int, engine, socket: zmq.Socket, group=None, lockstep: LockstepExecutor | None = None,
-                 ready: m.Ready | None = None) -> None:
+                 ready: m.Ready | None = None, parent_pid: int | None = None) -> None:
+        """`parent_pid`: the process that started this rank; the loop stops when it is gone (an orphaned rank
+        would otherwise wait for a front that never comes back)."""
         self.rank, self.engine, self.socket, self.group, self.lockstep = rank, engine, socket, group, lockstep
-        self.ready = ready
+        self.ready, self.parent_pid = ready, parent_pid
         self.stop_requested = False
 
     def run(self) -> None:
@@ -74,6 +77,9 @@ class RankLoop:
             busy = True
             while True:
                 changed = self._take_messages(0 if busy else int(IDLE_POLL_SECONDS * 1000))
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    logger.error("rank %d: the process that started it is gone; stopping", self.rank)
+                    self.stop_requested = True
                 has_work = self.engine.has_unfinished_requests()
                 any_work, stop = self._agree(has_work)
                 if stop:
