@@ -10,7 +10,7 @@ import torch
 
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.core.interfaces import VisibleRows
-from deepserve.model.compressor import visible_rows
+from deepserve.model.layouts.base import visible_rows
 
 B = ReferenceBackend("cpu")
 
@@ -56,17 +56,16 @@ def test_mhc_compositions():
     base, scale = 0.5 * torch.randn((2 + n) * n, generator=g), torch.ones(3)
     w = 1 + 0.1 * torch.randn(D, generator=g)
     x, post, comb = B.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    got = B.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5, mix=None)
+    got = B.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)
     for a, b in zip(got, (B.rms_norm(x, w, 1e-5), post, comb)):
         assert torch.equal(a, b)
-    new, mix = B.hc_post_mix(streams, y, post, comb, fn)
-    assert mix is None and torch.equal(new, B.hc_post(streams, y, post, comb))
     head_fn, head_base, head_scale = fn[:n], base[:n], torch.ones(1)
     assert torch.equal(B.hc_head_norm(streams, head_fn, head_base, head_scale, 1e-6, 1e-6, w, 1e-5),
                        B.rms_norm(B.hc_head(streams, head_fn, head_base, head_scale, 1e-6, 1e-6), w, 1e-5))
 
 
 def test_optional_decode_ops_decline():
+    assert B.decoder_stack() is None  # the model runs its own layer loop
     storage, kv = torch.zeros(40, 8), torch.ones(2, 8)
     positions, slot, tables = torch.tensor([3, 5]), torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.long)
     assert B.decode_key_rows(storage, kv, positions, slot, tables, VisibleRows(4, 8), 4, 4, 8) is None

@@ -66,19 +66,20 @@ def test_static_decode_with_every_row_chosen(tmp_path_factory, monkeypatch):
     then gives its CSA layers' rows as a rule (`VisibleRows`, no indexer query) and its query latent's norm to
     q_b's projection (`rms_norm_linear`), over more pages it scores; the same bits as the paged path either way."""
     from deepserve.model.compressor import Indexer
+    from deepserve.model.layouts.static import StaticLayer
 
     model = tiny.demo_model(tmp_path_factory, seed=6)
     for m in model.modules():
         if isinstance(m, Indexer):
             m.topk = 32
     seen = []
-    scores_static = Indexer.scores_static
+    scored = StaticLayer.index_scored
 
-    def counted(self, tables, pages):
-        seen.append(scores_static(self, tables, pages))
+    def counted(self, indexer):
+        seen.append(scored(self, indexer))
         return seen[-1]
 
-    monkeypatch.setattr(Indexer, "scores_static", counted)
+    monkeypatch.setattr(StaticLayer, "index_scored", counted)
     _check_static_equals_paged(model, 3)
     assert True in seen and False in seen
 

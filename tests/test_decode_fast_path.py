@@ -1,4 +1,4 @@
-"""The batched zero-copy path over the paged cache (`batch.PAGED_DECODE`) gives the general path's bits: the
+"""The batched zero-copy path over the paged cache (`layouts.PagedStep`) gives the general path's bits: the
 same logits and every pool tensor equal after each step, on random paged batches (mixed positions crossing
 compression, window and page boundaries, shared-prefix pages, verify-length and prompt-length chunks beside
 decode tokens, slots in random order).
@@ -15,10 +15,10 @@ import torch
 import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepserve.model import batch as batch_mod
+from deepserve.model import layouts
 from deepserve.model.attention import Attention
 from deepserve.model.batch import make_batch
-from deepserve.model.compressor import _Pooler
+from deepserve.model.layouts.paged import PagedLayer
 from deepserve.model.kv_cache import PagedKVCache
 from deepserve.model.speculative import SequenceUndo
 
@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 @pytest.fixture
 def general_path(monkeypatch):
     def force(on: bool):
-        monkeypatch.setattr(batch_mod, "PAGED_DECODE", not on)
+        monkeypatch.setattr(layouts, "PAGED", not on)
     return force
 
 
@@ -106,19 +106,19 @@ def ids(rng, n):
 @torch.inference_mode()
 def test_fast_path_equals_general_path_on_random_paged_batches(model, general_path, monkeypatch, seed):
     taken = Counter()
-    for owner, name in ((Attention, "_paged_key_pool"), (_Pooler, "_emit_single_tokens"), (_Pooler, "_emit_chunks")):
-        def spy(*a, _fn=getattr(owner, name), _name=name, **k):
+    for name in ("keys", "_emit_single_tokens", "_emit_chunks"):
+        def spy(self, *a, _fn=getattr(PagedLayer, name), _name=name, **k):
             taken[_name] += 1
-            if _name == "_paged_key_pool" and any(c.length > 16 for c in a[2].chunks):
+            if _name == "keys" and any(c.length > 16 for c in self.batch.chunks):
                 taken["long chunks"] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(owner, name, spy)
-    snap = Attention._snapshot_windows
+            return _fn(self, *a, **k)
+        monkeypatch.setattr(PagedLayer, name, spy)
+    snap = PagedLayer._snapshot_windows
 
-    def snap_spy(self, batch, *a):
-        taken["snapshots"] += sum(len(c.snapshots) for c in batch.chunks)
-        return snap(self, batch, *a)
-    monkeypatch.setattr(Attention, "_snapshot_windows", snap_spy)
+    def snap_spy(self):
+        taken["snapshots"] += sum(len(c.snapshots) for c in self.batch.chunks)
+        return snap(self)
+    monkeypatch.setattr(PagedLayer, "_snapshot_windows", snap_spy)
     rng = random.Random(seed)
     twin = Twin(model)
     shared = ids(rng, PAGE)
@@ -146,7 +146,7 @@ def test_fast_path_equals_general_path_on_random_paged_batches(model, general_pa
         fast, slow = twin.step(which, tokens, general_path, logits_rows=rows, keep=keep)
         assert torch.equal(fast, slow), f"step {step}"
         twin.assert_same_state()
-    assert taken["_paged_key_pool"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
+    assert taken["keys"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
     assert taken["_emit_chunks"] > 10  # verify-length and prompt chunks too
     assert taken["long chunks"] > 20  # prompt chunks past the window took the batched path
     assert taken["snapshots"] > 0  # and crossed page boundaries

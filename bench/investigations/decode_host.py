@@ -6,7 +6,7 @@ The demo model (random tiny V4: window 16, CSA ratio 4 with an indexer, HCA rati
 HCA) over a paged cache; every sequence prefilled to a random context of 100-400 tokens (so blocks close on
 different steps, as in serving), then decode steps of one token per sequence (`--chunk N`: N tokens each, the shape of a speculative verify step,
 or of prompt chunks for N past the window). Two identical caches: one decodes
-with `batch.PAGED_DECODE` on, the other with it off; their logits are checked equal every step.
+with `layouts.PAGED` on, the other with it off; their logits are checked equal every step.
 
 Per decode step it reports
 - ops: aten ops dispatched by the whole forward (on a GPU each is about one kernel launch; the reference
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from deepserve.backends.reference import ReferenceBackend  # noqa: E402
 from deepserve.core.config import ModelConfig  # noqa: E402
-from deepserve.model import batch as batch_mod  # noqa: E402
+from deepserve.model import layouts as layouts_mod  # noqa: E402
 from deepserve.model.attention import Attention  # noqa: E402
 from deepserve.model.batch import make_batch  # noqa: E402
 from deepserve.model.factory import build_model, randomize  # noqa: E402
@@ -113,12 +113,12 @@ def setup(model, batch_size, seed, extra_tokens=64, step_tokens=16):
 
 
 def decode(model, states, token_lists, fast):
-    batch_mod.PAGED_DECODE = fast
+    layouts_mod.PAGED = fast
     try:
         batch = make_batch(token_lists, [s.num_tokens for s in states], "cpu")
         return model(batch, states).logits
     finally:
-        batch_mod.PAGED_DECODE = True
+        layouts_mod.PAGED = True
 
 
 @torch.inference_mode()

@@ -5,7 +5,7 @@ implement to be correct.
 mHC sites, sparse attention, the indexer, the compressor's pooling, the MoE, sampling). The ops here have
 defaults: a composed op (`rms_norm_rope`, `hc_pre_norm`, `sparse_attention_rope`, ...) defaults to the maths ops
 it stands for, in order; an optional fused op (`route_hidden`, `moe_with_shared`, `compress_decode`, the paged
-decode ops) defaults to "not here" (None or False), and the model then runs the maths ops. A backend overrides
+decode ops, `decoder_stack`) defaults to "not here" (None or False), and the model then runs the maths ops. A backend overrides
 one only with a kernel that gives the same result. This module imports nothing from torch at run time.
 """
 
@@ -51,29 +51,20 @@ class FusedOps:
 
     def hc_pre_norm(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float, mix: object | None = None,
+        weight: Tensor, eps: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`hc_pre`, then the block's input RMSNorm (`rms_norm(collapsed, weight, eps)`): (normed [T, D], post,
         comb). One op, so that a backend can norm the collapsed rows before storing them; the default is the
-        two ops. `mix`: what this backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
+        two ops."""
         x, post, comb = self.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
         return self.rms_norm(x, weight, eps), post, comb
 
-    def hc_post_mix(
-        self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, next_fn: Tensor
-    ) -> tuple[Tensor, object | None]:
-        """`hc_post`, and a start on the next mHC site's mix (whose weights are `next_fn`) from the new streams
-        while they are at hand: (new streams, a value only this backend's `hc_pre_norm` reads as its `mix`, or
-        None). The default is `hc_post` and None."""
-        return self.hc_post(streams, block_out, post, comb), None
-
     def hc_head_norm(
         self, streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
-        weight: Tensor, eps: float, mix: object | None = None,
+        weight: Tensor, eps: float,
     ) -> Tensor:
         """`hc_head`, then the model's final RMSNorm (`rms_norm(collapsed, weight, eps)`). One op, so that a
-        backend can norm the collapsed rows before storing them; the default is the two ops. `mix`: what this
-        backend's `hc_post_mix` returned with `streams` for this `fn` (or None)."""
+        backend can norm the collapsed rows before storing them; the default is the two ops."""
         return self.rms_norm(self.hc_head(streams, fn, base, scale, hc_eps, norm_eps), weight, eps)
 
     def sparse_attention_rope(self, q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor, scale: float,
@@ -93,6 +84,16 @@ class FusedOps:
         """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
         fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)
         when the backend cannot; the model then multiplies fp32 copies."""
+        return None
+
+    def decoder_stack(self):
+        """Optional fused step: the backend's own run of a V4 decoder stack and its final head, for work that
+        crosses layers (the NVIDIA backend starts each mHC site's mix in the kernel that ends the site before it:
+        `deepserve.backends.nvidia.fused_stack`). A function `run(body, batch, layout, logits_rows)` -> (last
+        streams [T, n, D], final hidden [L, D] of `logits_rows`, or of every row in order when that is None),
+        equal to the model's own loop (`DeepseekV4Body.forward`, `final_hidden`) up to the backend's rounding;
+        it calls the model's layers for everything else. None (the default): the model runs its own loop.
+        Called once, when the model is built."""
         return None
 
     def route_hidden(self, x: Tensor, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None,
@@ -124,7 +125,7 @@ class FusedOps:
         `prev_kv/prev_gate`, the previous block's Ca halves, when given: CSA overlap) by a per-channel softmax over
         the slots, RMS-norms it with `norm_weight`, rotates it at the block's first position with `inv_freq`,
         writes it to `rows[page, row % rpp]` and (overlap) leaves this block's Ca halves in `prev_*`. Exactly
-        `deepserve.model.compressor._Pooler.emit_static`'s effect. Returns False (the default: nothing done) when
+        `deepserve.model.layouts.static.emit_static`'s effect. Returns False (the default: nothing done) when
         the backend has no kernel for it; the model then runs its own torch ops."""
         return False
 
@@ -133,7 +134,7 @@ class FusedOps:
         compressed: Tensor | None, window: int, rows_per_page: int, comp_base: int, scratch_base: int,
     ) -> Tensor | None:
         """Optional fused op: the storage rows each query of a decode or verify step attends to, [T, W + K] int64
-        (`deepserve.model.attention.Attention._paged_key_pool`): its W window keys (position p before its chunk
+        (`deepserve.model.layouts.paged.paged_keys`): its W window keys (position p before its chunk
         at `slot * W + p % W`, its chunk's rows at `scratch_base + chunk_offset + p - chunk_start`, -1 before 0),
         then its K compressed rows r (`compressed`, -1 = none) at `comp_base + tables[t, r // rpp] * rpp + r %
         rpp`. chunk_start, chunk_offset and slot are [T, 1]. None (the default) when the backend has no kernel."""

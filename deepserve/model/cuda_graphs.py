@@ -2,7 +2,7 @@
 
 A decode step over the paged cache is a fixed sequence of ~1,000 kernels whose shapes depend only on how many
 rows it has and how wide its block tables are; launching them one by one from Python costs far more host time
-than the GPU spends on them (bench/gpu.py). So a step runs as a *static* forward (`ForwardBatch.static`): its
+than the GPU spends on them (bench/gpu.py). So a step runs as a *static* forward (`layouts.StaticStep`): its
 rows' tokens, positions, slots and padded block tables sit in fixed device buffers, every per-row decision (does
 this token close a compressed block? which keys can it see?) is made on the device, and the writes a row does not
 want go to the cache's padding slot or trash page. Such a forward is captured once per bucket (rows padded up to
@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import ForwardBatch, PagedLayout, StaticDecode, block_table, to_device
+from .batch import ForwardBatch, to_device
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput
+from .layouts import StaticDecode, StaticStep
+from .layouts.paged import PagedIndex, block_table
 from .kv_cache import PagedKVCache
 from .state import SequenceState
 
@@ -59,6 +61,7 @@ class _Bucket:
     host_meta: torch.Tensor  # its staging copy on the host (pinned on CUDA, so the copy does not wait)
     tokens: torch.Tensor  # [rows] int64
     batch: ForwardBatch
+    layout: StaticStep
     copied: torch.cuda.Event | None = None  # recorded after the last copy out of host_meta
     graph: torch.cuda.CUDAGraph | None = None
     output: ForwardOutput | None = None
@@ -141,7 +144,7 @@ class DecodeGraphs:
             bucket.graph.replay()
             output = bucket.output
         else:
-            output = self.model(bucket.batch, [])
+            output = self.model(bucket.batch, layout=bucket.layout)
         for c, st in zip(chunks, states):  # what the graph leaves to the host: the row and token counts
             for layer, name, ratio in self._streams:
                 getattr(st.layers[layer], name).rows.num_rows = c.end // ratio
@@ -150,7 +153,7 @@ class DecodeGraphs:
         return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
 
     def _snapshots(self, chunks, states) -> None:
-        """The prefix-hit snapshots of the pages that this step's tokens ended, as `Attention._snapshot_windows`
+        """The prefix-hit snapshots of the pages that this step's tokens ended, as `layouts.paged.PagedLayer._snapshot_windows`
         and the compressors take them, but from the state after the step: the window rows of [end - W, end) are
         the ring as written, the CSA overlap halves are the streams' `prev` rows."""
         snaps = [(st.layers[0].slot, c.end, page) for c, st in zip(chunks, states) for _, page in c.snapshots]
@@ -174,12 +177,13 @@ class DecodeGraphs:
         meta = host_meta.to(device)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         arange = torch.arange(rows, device=device)
-        layout = PagedLayout(slot=meta[:, 1:2], chunk_start=meta[:, 0:1], chunk_offset=arange[:, None],
-                             tables=meta[:, 2:], query_tables=meta[:, 2:])
-        static = StaticDecode(cache.layers, layout, cache.pad_slot, cache.trash_page)
-        batch = ForwardBatch(token_ids=tokens, positions=meta[:, 0], chunks=(), logits_indices=arange, static=static)
+        index = PagedIndex(slot=meta[:, 1:2], chunk_start=meta[:, 0:1], chunk_offset=arange[:, None],
+                           tables=meta[:, 2:], query_tables=meta[:, 2:])
+        static = StaticDecode(cache.layers, index, cache.pad_slot, cache.trash_page)
+        batch = ForwardBatch(token_ids=tokens, positions=meta[:, 0], chunks=(), logits_indices=arange)
+        layout = StaticStep(batch, static, self.model.backend)
         copied = torch.cuda.Event() if device.type == "cuda" else None
-        bucket = self._buckets[(rows, pages)] = _Bucket(meta, host_meta, tokens, batch, copied=copied)
+        bucket = self._buckets[(rows, pages)] = _Bucket(meta, host_meta, tokens, batch, layout, copied=copied)
         if self.capture:
             began = time.perf_counter()
             self._capture(bucket)
@@ -196,11 +200,11 @@ class DecodeGraphs:
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(bucket.batch, [])
+                self.model(bucket.batch, layout=bucket.layout)
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bucket.output = self.model(bucket.batch, [])
+            bucket.output = self.model(bucket.batch, layout=bucket.layout)
         bucket.graph = graph

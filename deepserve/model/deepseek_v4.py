@@ -20,6 +20,7 @@ from .attention import Attention
 from .batch import ForwardBatch, check_states
 from .common import NormWeight, linear, share_input
 from .decoder import DecoderLayer
+from .layouts import StepLayout, layout_for
 from .mhc import HyperHead
 from .moe import SharedExpert
 from .mtp import MTPBlock
@@ -45,32 +46,24 @@ class DeepseekV4Body(nn.Module):
         self.cfg, self.backend = cfg, backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, lt, mt, i) for i, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types))
+            DecoderLayer(cfg, backend, lt, mt) for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types)
         )
         self.norm = NormWeight(cfg.hidden_size)
         self.hc_head = HyperHead(cfg, backend)
 
-    def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> torch.Tensor:
-        return self.forward_mixed(batch, states)[0]
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's streams [T, n, D]: each token's embedding in every stream."""
+        return self.embed_tokens(token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def forward_mixed(self, batch: ForwardBatch, states: Sequence[SequenceState],
-                      head_mix: bool = False) -> tuple[torch.Tensor, object]:
-        """`forward`, and (`head_mix`) what the last layer left for the final head's mix: `final_hidden`'s `mix`,
-        for these streams' rows as they are (so only of use where every row is a logits row, in order)."""
-        e = self.embed_tokens(batch.token_ids)
-        streams = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        mix = None
+    def forward(self, batch: ForwardBatch, layout: StepLayout) -> torch.Tensor:
+        """The last layer's streams [T, n, D] for the batch's tokens, every layer's state in `layout`."""
+        streams = self.embed(batch.token_ids)
         for i, layer in enumerate(self.layers):
-            if i + 1 < len(self.layers):
-                following = self.layers[i + 1].attn_hc
-            else:  # the head: only where its mix is used
-                following = self.hc_head if head_mix else None
-            streams, mix = layer.forward_mixed(streams, batch, [s.layers[i] for s in states], batch.token_ids, mix,
-                                               following)
-        return streams, mix
+            streams = layer(streams, layout.layer(i), batch.token_ids)
+        return streams
 
-    def final_hidden(self, streams: torch.Tensor, mix: object | None = None) -> torch.Tensor:
-        return self.hc_head.norm(streams, self.norm.weight, self.cfg.rms_norm_eps, mix)
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.hc_head.norm(streams, self.norm.weight, self.cfg.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -81,6 +74,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = linear(backend, cfg.hidden_size, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPBlock(cfg, backend) for _ in range(cfg.num_nextn_predict_layers))
         self._head_fp32: tuple[tuple, torch.Tensor] | None = None  # (weight identity, fp32 copy), see `logits`
+        # the backend's own run of the decoder stack and final head (`FusedOps.decoder_stack`), or None
+        self._fused_stack = backend.decoder_stack()
 
     #: the state owners' names, as `SequenceState` holds them: the backbone, and the MTP blocks (the drafter's)
     main_state_owner = "layers"
@@ -128,16 +123,21 @@ class DeepseekV4ForCausalLM(nn.Module):
                   if isinstance(m, (Attention, SharedExpert))]
         return sum(g is not None for g in groups)
 
-    def forward(self, batch: ForwardBatch, states: Sequence[SequenceState]) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, states: Sequence[SequenceState] = (),
+                layout: StepLayout | None = None) -> ForwardOutput:
         """Run the new tokens of every sequence, update their states in place, return logits for
-        `batch.logits_indices`."""
-        if batch.static is None:  # a static (fixed-shape decode) step gets no states: its caller keeps them
+        `batch.logits_indices`. The layout follows from the states (`layouts.layout_for`: paged cache states
+        take the paged layout, a sequence's own states the contiguous one) unless the caller gives one (a static
+        decode step: its caller keeps the states and passes none)."""
+        if layout is None:
             check_states(batch, states)
-        streams, mix = self.model.forward_mixed(batch, states, head_mix=batch.static is not None)
-        if batch.static is not None:  # every row of a static step is a logits row, in order: no gather
-            hidden = self.model.final_hidden(streams, mix)
+            layout = layout_for(batch, [s.layers for s in states], self.backend, self.model.embed_tokens.weight.dtype)
+        rows = None if layout.every_row_logits else batch.logits_indices  # a static step: every row, in order
+        if self._fused_stack is not None:
+            streams, hidden = self._fused_stack(self.model, batch, layout, rows)
         else:
-            hidden = self.model.final_hidden(streams[batch.logits_indices])
+            streams = self.model(batch, layout)
+            hidden = self.model.final_hidden(streams if rows is None else streams[rows])
         for chunk, state in zip(batch.chunks, states):
             state.num_tokens = chunk.end
         return ForwardOutput(streams=streams, logits=self.logits(hidden))
@@ -153,7 +153,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"sequence {i}: MTP chunk starts at {chunk.start}, MTP state holds {state.mtp_num_tokens}")
         block = self.mtp[depth]
         embeds = self.model.embed_tokens(batch.token_ids)
-        streams = block(embeds, prev_streams, batch, [s.mtp_layers[depth] for s in states])
+        layout = layout_for(batch, [[s.mtp_layers[depth]] for s in states], self.backend, embeds.dtype)
+        streams = block(embeds, prev_streams, layout.layer(0), batch.token_ids)
         hidden = block.final_hidden(streams[batch.logits_indices])
         if depth == len(self.mtp) - 1:
             for chunk, state in zip(batch.chunks, states):

@@ -25,18 +25,11 @@ class HyperConnection(nn.Module):
         c = self.cfg
         return self.backend.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float, mix: object | None = None):
-        """`pre`, its collapsed rows then RMS-normed with `weight` (the block's input norm), in one backend op.
-        `mix`: what the `post_mix` that made `streams` returned for this site."""
+    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float):
+        """`pre`, its collapsed rows then RMS-normed with `weight` (the block's input norm), in one backend op."""
         c = self.cfg
         return self.backend.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                        c.rms_norm_eps, weight, eps, mix)
-
-    def post_mix(self, streams, block_out, post, comb, following: HyperConnection | HyperHead):
-        """`post`, and a start on the `following` site's mix: (new streams, the `mix` for its `pre_norm` or, for
-        the final head, its `norm`)."""
-        fn = following.hc_fn if isinstance(following, HyperHead) else following.fn
-        return self.backend.hc_post_mix(streams, block_out, post, comb, fn)
+                                        c.rms_norm_eps, weight, eps)
 
     def post(self, streams, block_out, post, comb) -> torch.Tensor:
         return self.backend.hc_post(streams, block_out, post, comb)
@@ -57,9 +50,8 @@ class HyperHead(nn.Module):
         c = self.cfg
         return self.backend.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, c.hc_eps, c.rms_norm_eps)
 
-    def norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float, mix: object | None = None):
-        """The collapse, then the model's final RMSNorm with `weight`, in one backend op. `mix`: what the
-        `post_mix` that made `streams` returned for this head."""
+    def norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float):
+        """The collapse, then the model's final RMSNorm with `weight`, in one backend op."""
         c = self.cfg
         return self.backend.hc_head_norm(streams, self.hc_fn, self.hc_base, self.hc_scale, c.hc_eps, c.rms_norm_eps,
-                                         weight, eps, mix)
+                                         weight, eps)

@@ -14,11 +14,10 @@ import torch
 from deepserve.core.config import MOE, SLIDING, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .batch import ForwardBatch
 from .common import NormWeight, linear
 from .decoder import DecoderLayer
+from .layouts import LayerLayout
 from .mhc import HyperHead
-from .state import AttentionState
 
 
 class MTPBlock(DecoderLayer):
@@ -32,13 +31,13 @@ class MTPBlock(DecoderLayer):
         self.norm = NormWeight(D)
 
     def forward(  # type: ignore[override]
-        self, embeds: torch.Tensor, prev_streams: torch.Tensor, batch: ForwardBatch, states: list[AttentionState]
+        self, embeds: torch.Tensor, prev_streams: torch.Tensor, layout: LayerLayout, token_ids: torch.Tensor
     ) -> torch.Tensor:
         norm = self.backend.rms_norm
         e = self.e_proj(norm(embeds, self.enorm.weight, self.eps))
         h = self.h_proj(norm(prev_streams, self.hnorm.weight, self.eps))  # per stream
         streams = e.unsqueeze(1) + h
-        return super().forward(streams, batch, states, batch.token_ids)
+        return super().forward(streams, layout, token_ids)
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(self.hc_head(streams), self.norm.weight, self.eps)

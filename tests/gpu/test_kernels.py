@@ -329,7 +329,7 @@ def check_qk_norm_rope(device, T, H, d, rope_dim, seed=0, dtype=torch.bfloat16) 
 
 
 def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, seed=0, dtype=torch.float32) -> float:
-    """The fused `compress_decode` kernel against the model's torch ops (`_Pooler.emit_static` on the reference
+    """The fused `compress_decode` kernel against the model's torch ops (`layouts.static.emit_static` on the reference
     backend) over `steps` decode steps of B sequences at random positions (blocks closing and not, block 0 and
     later): every frontier, overlap and row tensor, relative error, NaN-poisoned rows that only the closing
     writes may fill."""
@@ -338,6 +338,7 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
     from deepserve.backends.nvidia.triton_ops.decode import compress_decode
     from deepserve.core.config import ModelConfig
     from deepserve.model.compressor import _Pooler
+    from deepserve.model.layouts.static import emit_static
     from deepserve.tools.demo_checkpoint import DEMO_CONFIG
 
     g = gen(device, seed)
@@ -362,10 +363,10 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
     positions[0] = ratio - 1  # block 0 closes: no previous block
     for _ in range(steps):
         x = torch.randn((B, 64), generator=g, device=device)
-        layout = SimpleNamespace(slot=slot[:, None], tables=tables)
+        index = SimpleNamespace(slot=slot[:, None], tables=tables)
         pools = SimpleNamespace(**state)
-        pooler.emit_static(x, positions, layout, pools, pad_slot=B, trash_page=pages - 1)
         kv, gate = pooler.kv_proj(x), pooler.gate_proj(x)
+        emit_static(pooler, kv, gate, positions, index, pools, pad_slot=B, trash_page=pages - 1)
         compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, mine["open_kv"], mine["open_gate"],
                         mine["prev_kv"], mine["prev_gate"], mine["rows"], pooler.kv_norm.weight, inv_freq, pooler.eps)
         positions = positions + 1
@@ -383,7 +384,7 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
 
 
 def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
-    """The `paged_key_rows` kernel equals the torch index arithmetic of `Attention._paged_key_pool`, exactly."""
+    """The `paged_key_rows` kernel equals the torch index arithmetic of `layouts.paged.paged_keys`, exactly."""
     from deepserve.backends.nvidia.triton_ops.decode import paged_key_rows
 
     g = gen(device, seed)
@@ -411,7 +412,7 @@ def check_decode_key_rows(device, T, W, K, rpp, ratio=0, D=64, seed=0) -> None:
     compressed rows as the rule `VisibleRows(ratio, K)`, against its explicit list."""
     from deepserve.backends.nvidia.triton_ops.decode import decode_key_rows, paged_key_rows
     from deepserve.core.interfaces import VisibleRows
-    from deepserve.model.compressor import visible_rows
+    from deepserve.model.layouts.base import visible_rows
 
     g = gen(device, seed)
     slots = T + 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import logging
 from types import SimpleNamespace
@@ -204,15 +206,24 @@ class NvidiaBackend(ReferenceBackend):
         return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
 
     def hc_pre_norm(self, streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps, mix=None):
+        """`mix` (this backend's own, from `hc_post_mix`): the site's mix partial sums, already made."""
         if not self._hc_fast(streams) or streams.shape[2] > 8192:
             return super().hc_pre_norm(streams, fn, base, scale, iters, hc_eps, norm_eps, weight, eps)
         return self.kernels.mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, norm=(weight, eps),
                                        mix=mix)
 
     def hc_post_mix(self, streams, block_out, post, comb, next_fn):
+        """`hc_post`, and a start on the next mHC site's mix (weights `next_fn`) from the new streams while they
+        are at hand: (new streams, the partial sums `hc_pre_norm` / `hc_head_norm` take as `mix`, or None).
+        This backend's own op, used by its decoder stack (`fused_stack`)."""
         if not self._hc_fast(streams):
-            return super().hc_post_mix(streams, block_out, post, comb, next_fn)
+            return self.hc_post(streams, block_out, post, comb), None
         return self.kernels.mhc.hc_post_mix(streams, block_out, post, comb, next_fn)
+
+    def decoder_stack(self):
+        from .fused_stack import run_decoder_stack
+
+        return functools.partial(run_decoder_stack, self)
 
     def hc_post(self, streams, block_out, post, comb):
         if not self._hc_fast(streams):
@@ -233,6 +244,7 @@ class NvidiaBackend(ReferenceBackend):
         return torch.einsum("tn,tnd->td", pre, streams.float()).to(streams.dtype)
 
     def hc_head_norm(self, streams, fn, base, scale, hc_eps, norm_eps, weight, eps, mix=None):
+        """`mix`: as `hc_pre_norm`'s, from the last layer's `hc_post_mix`."""
         if not self._hc_head_fast(streams, fn, scale) or streams.shape[2] > 8192:
             return super().hc_head_norm(streams, fn, base, scale, hc_eps, norm_eps, weight, eps)
         return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps, norm=(weight, eps), mix=mix)

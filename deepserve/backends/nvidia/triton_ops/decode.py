@@ -6,9 +6,9 @@ projections into the slot's open block and stops; a token that closes it pools t
 block's Ca halves, then this block's Cb halves, 2 x ratio slots; HCA: ratio slots) with a per-channel softmax over
 the slots kept online, RMS-norms and rotates the row at its block's first position, writes it into its page, and
 (CSA) keeps the block's Ca halves as the next overlap state. The model's torch ops do the same
-(`_Pooler.emit_static`); this is one launch instead of ~40.
+(`layouts.static.emit_static`); this is one launch instead of ~40.
 
-`paged_key_rows`: the storage rows every decode or verify query attends to (`Attention._paged_key_pool`): its
+`paged_key_rows`: the storage rows every decode or verify query attends to (`layouts.paged.paged_keys`): its
 window keys (older positions from its slot's ring, its chunk's new rows from the scratch region, -1 before
 position 0), then its compressed rows through its block table. One launch instead of ~25.
 

@@ -1,0 +1,124 @@
+"""The static layout: a decode step whose shapes depend only on its bucket (rows, table width), not on the
+sequences in it, so that a CUDA graph can replay it (`deepserve.model.cuda_graphs`).
+
+One new token per row; the rows' slots, positions and padded block tables are device tensors (`StaticDecode.index`,
+one query per row) over the cache's pools. Nothing reads host-side chunks or row counts (the host advances those
+itself after the step), so a compressor cannot know on the host which rows close a block: every row pools its
+block, and a row whose block did not close writes where no sequence reads (the padding slot, the trash page).
+On the reference backend this layout gives the paged layout's bits (tests/test_cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepserve.core.interfaces import VisibleRows
+
+from ..batch import ForwardBatch
+from .base import LayerLayout, StepLayout, visible_rows
+from .paged import PagedIndex, close_blocks, paged_keys, write_rings
+
+
+@dataclass(frozen=True, slots=True)
+class StaticDecode:
+    """A fixed-shape decode step's device-side description: the cache's `layers` pools (`kv_cache._LayerPools`,
+    one per main layer), the rows' `index`, and where unwanted writes go: padding rows use `pad_slot`, table
+    entries past a sequence's pages and blocks that did not close go to `trash_page`."""
+
+    layers: Sequence
+    index: PagedIndex
+    pad_slot: int
+    trash_page: int
+
+
+class StaticStep(StepLayout):
+    every_row_logits = True  # every row is a logits row, in order: the forward gathers none
+
+    def __init__(self, batch: ForwardBatch, static: StaticDecode, backend) -> None:
+        self.batch, self.static, self.backend = batch, static, backend
+
+    def layer(self, index: int) -> StaticLayer:
+        return StaticLayer(self, self.static.layers[index])
+
+
+class StaticLayer(LayerLayout):
+    def __init__(self, step: StaticStep, pools) -> None:
+        super().__init__(step.batch, step.backend)
+        self.static, self.pools, self.index = step.static, pools, step.static.index
+        self._rings_written = False
+
+    # -- compressed streams
+
+    def emit(self, pooler, kv, gate, stream: str) -> None:
+        emit_static(pooler, kv, gate, self.positions, self.index, getattr(self.pools, stream), self.static.pad_slot,
+                    self.static.trash_page)
+
+    def index_scored(self, indexer) -> bool:
+        """While the tables hold at most top-k rows (a short context: the width is the bucket's), every visible
+        row is chosen: no query, no scores."""
+        return self.index.tables.shape[1] * self.pools.indexer.rows.shape[1] > indexer.topk
+
+    def index_topk(self, indexer, q, weights) -> torch.Tensor:
+        """The keys read through the padded block tables: every query sees the table's full width, its own
+        count masking the rest, so nothing depends on the row counts the host keeps."""
+        key_count = (self.positions + 1) // indexer.ratio
+        return self.backend.indexer_topk_paged(q, weights, self.pools.indexer.rows, self.index.tables, key_count,
+                                               indexer.topk)
+
+    def all_visible(self, pooler, stream: str) -> VisibleRows:
+        """The rule for the table's full width of rows (-1 past each query's own), which a backend's key-row kernel
+        forms itself (`decode_key_rows`)."""
+        return VisibleRows(pooler.ratio, self.index.tables.shape[1] * getattr(self.pools, stream).rows.shape[1])
+
+    # -- window keys
+
+    def keys(self, kv, compressed):
+        """One token a row: the backend's `decode_key_rows` writes its key into its ring first and forms every
+        window key from there; else the paged layout's way (scratch region, rings written after)."""
+        pools = self.pools
+        rows = self.backend.decode_key_rows(pools.storage, kv, self.positions, self.index.slot[:, 0],
+                                            self.index.query_tables, compressed, pools.spec.window,
+                                            pools.rows_per_page, pools.comp_base)
+        if rows is not None:
+            self._rings_written = True
+            return pools.storage, rows
+        if isinstance(compressed, VisibleRows):
+            compressed = visible_rows(self.positions, compressed)
+        return paged_keys(self.backend, kv, self.positions, self.index, compressed, pools)
+
+    def store_window(self, kv) -> None:
+        """(A static step's page-boundary snapshots are taken after it, from the written rings: `cuda_graphs`.)"""
+        if not self._rings_written:
+            write_rings(self.backend, self.pools, kv, self.positions, self.index.slot[:, 0])
+
+
+def emit_static(pooler, kv, gate, positions, index: PagedIndex, pools, pad_slot: int, trash_page: int) -> None:
+    """One decode token per row into one compressed stream's pools, whether it closes its block read from its
+    position on the device. A backend's fused kernel does it in one launch (`Backend.compress_decode`); else every
+    row pools its block and a row whose block did not close writes its frontier, overlap half and row where no
+    sequence reads them (`pad_slot`, `trash_page`), so the step's launches and shapes never depend on the rows.
+    The same arithmetic row by row as the paged layout, so the same bits where a block closes."""
+    m = pooler.ratio
+    slot, tables = index.slot[:, 0], index.tables
+    if pooler.backend.compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, pools.open_kv,
+                                      pools.open_gate, pools.prev_kv if pooler.overlap else None,
+                                      pools.prev_gate if pooler.overlap else None, pools.rows,
+                                      pooler.kv_norm.weight, pooler.inv_freq, pooler.eps):
+        return
+    kv, gate = pooler.biased(kv, gate, positions)
+    held = positions % m
+    closing = held == m - 1
+    first = positions // m  # the row a closing block becomes
+    open_slot = torch.where(closing, pad_slot, slot)
+    pools.open_kv.index_put_((open_slot, held), kv)
+    pools.open_gate.index_put_((open_slot, held), gate)
+    rpp = pools.rows.shape[1]
+    page = tables.gather(1, (first // rpp).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
+    page = torch.where(closing, page, trash_page)
+    block_kv = torch.cat((pools.open_kv[slot, : m - 1], kv[:, None]), dim=1)  # [B, m, width]
+    block_gate = torch.cat((pools.open_gate[slot, : m - 1], gate[:, None]), dim=1)
+    close_blocks(pooler, pools, block_kv, block_gate, first, slot, torch.where(closing, slot, pad_slot), page,
+                 first % rpp)
