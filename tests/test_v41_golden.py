@@ -1,0 +1,87 @@
+"""deepserve's V4.1 against the committed golden directory made by DeepSeek's own reference
+(deepserve/tools/v41_golden.py), by the layer-forced protocol of ../shared/v41-golden-format.md, and the checker
+itself against deliberate bugs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepserve.model.v41 import load_v41
+from deepserve.model.v41 import model as v41_model
+from deepserve.tools import golden_check
+
+GOLDEN = Path(__file__).parent / "golden" / "v41" / "tiny_a"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return load_v41(GOLDEN / "tiny")
+
+
+def failing(rep: golden_check.Report) -> set[str]:
+    return {r.check for r in rep.rows if not r.ok}
+
+
+def test_golden_directory_passes_every_check(model):
+    rep = golden_check.run(GOLDEN, "all", model=model)
+    assert rep.ok, rep.table()
+    names = {r.check for r in rep.rows}
+    # every block, both phases, the selections, Engram ids, DSpark and the end-to-end checks were made
+    for j in range(model.cfg.n_layers):
+        assert f"forced prefill L{j} relRMS" in names and f"forced decode L{j} relRMS" in names
+    for j in model.cfg.engram_layer_ids:
+        assert f"engram ids prefill L{j}" in names
+    assert {"topk rows L2 (rows differing)", "candidates L4 (rows differing)", "dspark drafts (stable steps differing)",
+            "e2e decode logprobs (worst |d|/limit)", "e2e greedy tokens (stable steps differing)"} <= names
+
+
+def test_exact_envelope_also_holds(model):
+    """deepserve reproduces the reference's kernels, so it is held to the tie members' envelope too."""
+    rep = golden_check.run(GOLDEN, "exact", model=model, prompts={1}, end_to_end=False)
+    assert rep.ok, rep.table()
+
+
+def test_engram_switched_off_is_caught(model, monkeypatch):
+    monkeypatch.setattr(v41_model.Engram, "forward", lambda self, x, ids: x)
+    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
+    assert "forced prefill L1 relRMS" in bad and "forced prefill L2 relRMS" in bad
+
+
+def test_unshifted_mhc_is_caught(model, monkeypatch):
+    """Attention collapsing with its own site's pre (V4's schedule) instead of the previous FFN site's."""
+    def unshifted(self, x, pre, attend):
+        a_pre, _, _ = self._mix(x, self.hc_attn)
+        return original(self, x, a_pre, attend)
+
+    original = v41_model.Block.forward
+    monkeypatch.setattr(v41_model.Block, "forward", unshifted)
+    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
+    assert any(name.startswith("forced prefill L") for name in bad)
+
+
+def test_ignoring_the_candidate_filter_is_caught(model, monkeypatch):
+    from deepserve.model.v41 import attention
+
+    monkeypatch.setattr(attention, "candidate_mask", lambda s, v, k, b: torch.ones_like(s, dtype=torch.bool))
+    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
+    assert "topk rows L6 (rows differing)" in bad
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert golden_check.main([str(tmp_path)]) == 2  # not a golden directory
+    assert "reference.json is missing" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(GOLDEN, broken)
+    layers = load_file(str(broken / "reference_layers.safetensors"))
+    layers["p0.decode.layer3.x_out"] = (layers["p0.decode.layer3.x_out"].float() * 1.2).to(torch.bfloat16)
+    save_file(layers, str(broken / "reference_layers.safetensors"))
+    assert golden_check.main([str(broken), "--json", str(tmp_path / "rows.json")]) == 1
+    out = capsys.readouterr().out
+    assert "forced decode L3 relRMS" in out and "FAIL" in out
+    assert (tmp_path / "rows.json").is_file()
