@@ -294,7 +294,8 @@ def serve_rank(config: EngineConfig, context) -> None:
         ready = messages.Ready(context.rank, parts.max_model_len, config.max_num_seqs, weights,
                                messages.snapshot_to_wire(parts.engine.snapshot()))
         RankLoop(context.rank, parts.engine, sock, group,
-                 executor if isinstance(executor, LockstepExecutor) else None, ready, parent_pid=os.getppid()).run()
+                 executor if isinstance(executor, LockstepExecutor) else None, ready, parent_pid=os.getppid(),
+                 device=str(parts.backend.device)).run()
     except Exception as exc:
         sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank, f"{type(exc).__name__}: {exc}")))
         raise

@@ -64,11 +64,12 @@ class RankLoop:
     ranks' process group and `lockstep` the wrapped runner, both None without expert parallelism."""
 
     def __init__(self, rank: int, engine, socket: zmq.Socket, group=None, lockstep: LockstepExecutor | None = None,
-                 ready: m.Ready | None = None, parent_pid: int | None = None) -> None:
+                 ready: m.Ready | None = None, parent_pid: int | None = None, device: str = "cpu") -> None:
         """`parent_pid`: the process that started this rank; the loop stops when it is gone (an orphaned rank
-        would otherwise wait for a front that never comes back)."""
+        would otherwise wait for a front that never comes back). `device`: where the group's tensors live (the
+        GPU under NCCL)."""
         self.rank, self.engine, self.socket, self.group, self.lockstep = rank, engine, socket, group, lockstep
-        self.ready, self.parent_pid = ready, parent_pid
+        self.ready, self.parent_pid, self.device = ready, parent_pid, device
         self.stop_requested = False
 
     def run(self) -> None:
@@ -100,8 +101,9 @@ class RankLoop:
     def _agree(self, has_work: bool) -> tuple[bool, bool]:
         if self.group is None:
             return has_work, self.stop_requested
-        flags = torch.tensor([int(has_work), int(self.stop_requested)], dtype=torch.int64)
+        flags = torch.tensor([int(has_work), int(self.stop_requested)], dtype=torch.int64, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        flags = flags.tolist()
         return bool(flags[0]), bool(flags[1])
 
     def _step(self, has_work: bool) -> list:
