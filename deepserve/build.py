@@ -137,7 +137,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                         make_detokenizer=detok, cost_model=cost_model, async_scheduling=async_scheduling,
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                        verify_planner=planner)
+                        verify_planner=planner, **_kv_tiers(pm, config, model, cache))
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
@@ -182,6 +182,70 @@ def _lockstep(pm, config: EngineConfig, runner, placement, group):
     transport = factories[config.expert_transport](group, placement, rank_experts(runner.model, runner.backend))
     attach(runner.model, placement, transport)
     return LockstepExecutor(runner, transport)
+
+
+def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:
+    """The engine's cache tiers below the GPU pages (`host_cache_bytes`, `kv_store`) and the page copies they
+    go through, as `EngineCore` keywords; none without either option. docs/cache.md."""
+    if config.host_cache_bytes is None and config.kv_store is None:
+        return {}
+    from deepserve.core.kv.store import GuardedStore
+    from deepserve.core.kv.tiers import HostTier, KVTiers
+    from deepserve.model.kv_cache import page_pool_bytes, read_pages, write_pages
+
+    store = None
+    if config.kv_store is not None:
+        registry = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+        store = GuardedStore(registry.open(config.kv_store), config.kv_store_deadline)
+    host = HostTier(config.host_cache_bytes) if config.host_cache_bytes is not None else None
+    pool_bytes = page_pool_bytes(cache)
+    namespace = kv_namespace(config, model, cache.page_size, pool_bytes)
+    logger.info("KV cache tiers: host %s, store %s (namespace %s)",
+                f"{config.host_cache_bytes} bytes" if host else "none", config.kv_store or "none", namespace)
+    page_io = _PageIO(cache, read_pages, write_pages)
+    return dict(kv_tiers=KVTiers(namespace, pool_bytes, cache.page_size, host, store, config.kv_store_ttl_class),
+                page_io=page_io)
+
+
+@dataclass(frozen=True, slots=True)
+class _PageIO:
+    """`EngineCore`'s `PageIO` over the paged cache."""
+
+    cache: Any
+    read_pages: Any
+    write_pages: Any
+
+    def read(self, pages):
+        return self.read_pages(self.cache, pages)
+
+    def write(self, pages, blocks) -> None:
+        self.write_pages(self.cache, pages, blocks)
+
+
+def kv_namespace(config: EngineConfig, model, page_size: int, pool_bytes: dict[str, int]) -> str:
+    """The block stores' namespace of this engine's KV bytes: the model directory's name; the weights' revision (a
+    digest of config.json and of each safetensors file's size, header and first and last MiB, so retrained
+    weights of the same shapes differ, and so do copies of the checkpoint only where their bytes do); the KV
+    layout (page size and every pool's bytes per page); the KV dtype; shard 0 (one engine holds every layer)."""
+    import hashlib
+
+    from deepserve.core.kv.store import StoreNamespace
+
+    root = Path(config.model)
+    digest = hashlib.sha256((root / "config.json").read_bytes() if (root / "config.json").is_file() else b"")
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            head = f.read(min(header + 2**20, size - 8))
+            f.seek(max(size - 2**20, 8 + len(head)))
+            tail = f.read()
+        digest.update(path.name.encode() + size.to_bytes(8, "little") + head + tail)
+    layout = hashlib.sha256(repr(sorted(pool_bytes.items())).encode()).hexdigest()[:12]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in root.name) or "model"
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    return StoreNamespace(name, digest.hexdigest()[:16], f"v4-paged-1-p{page_size}-{layout}",
+                          dtype).key
 
 
 def _proposer(pm, config: EngineConfig, model):

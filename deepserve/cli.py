@@ -51,6 +51,9 @@ def engine_options(args: argparse.Namespace) -> dict:
                          enforce_eager=args.enforce_eager)
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
+    for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class"):  # docs/cache.md
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
         engine_kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     for name in SCALE_OUT_OPTIONS:  # docs/distributed.md
@@ -163,6 +166,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default: CPU 512 MiB, "
                        "GPU --gpu-memory-utilization)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--host-cache-bytes", type=int, default=None,
+                       help="a host-memory tier of KV blocks below the GPU pages, LRU past this many bytes")
+    serve.add_argument("--kv-store", default=None, metavar="URI",
+                       help="a shared block store below the host tier: dir:///mnt/3fs/kv, redis://host:6379/0, "
+                       "ec:10+2:dir:///root (docs/cache.md)")
+    serve.add_argument("--kv-store-deadline", type=float, default=None,
+                       help="seconds a block-store call may take before it counts as a miss (default 1)")
+    serve.add_argument("--kv-store-ttl-class", default=None, choices=["chat", "agent"],
+                       help="retention class of the blocks written: chat (7 days, the default) or agent (3 days)")
     serve.add_argument("--no-prefix-caching", action="store_true")
     _add_scale_out_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true",

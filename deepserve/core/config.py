@@ -381,6 +381,10 @@ class EngineConfig:
       N+1 while N runs).
     - KV cache: `block_size` (tokens per page, a multiple of 128), `enable_prefix_caching`, `kv_cache_bytes`
       (else `gpu_memory_utilization` of the device's memory minus the weights on a GPU, 512 MiB on CPU).
+    - Cache tiers below the GPU pages (docs/cache.md): `host_cache_bytes` (a host-memory LRU of blocks),
+      `kv_store` (a block store by URI: `dir:///mnt/3fs/kv`, `redis://host:6379/0`, `ec:10+2:dir:///root`),
+      `kv_store_deadline` (seconds a store call may take; past it, a miss), `kv_store_ttl_class` (`chat` or
+      `agent`, the retention class of the blocks written).
     - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
@@ -414,6 +418,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    host_cache_bytes: int | None = None
+    kv_store: str | None = None
+    kv_store_deadline: float = 1.0
+    kv_store_ttl_class: str = "chat"
     structured_outputs_backend: str = "llguidance"
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
@@ -452,6 +460,19 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.host_cache_bytes is not None and (isinstance(self.host_cache_bytes, bool)
+                                                  or not isinstance(self.host_cache_bytes, int)
+                                                  or self.host_cache_bytes <= 0):
+            raise ValueError(f"host_cache_bytes must be a positive integer, got {self.host_cache_bytes!r}")
+        if self.kv_store is not None and (not isinstance(self.kv_store, str) or ":" not in self.kv_store):
+            raise ValueError(f"kv_store must be a block store URI such as 'dir:///path', got {self.kv_store!r}")
+        if not self.kv_store_deadline > 0:
+            raise ValueError(f"kv_store_deadline must be a positive number of seconds, got {self.kv_store_deadline}")
+        if self.kv_store_ttl_class not in ("agent", "chat"):
+            raise ValueError(f"kv_store_ttl_class must be 'agent' or 'chat', got {self.kv_store_ttl_class!r}")
+        if (self.kv_store or self.host_cache_bytes) and not self.enable_prefix_caching:
+            raise ValueError("kv_store and host_cache_bytes hold prefix-cache blocks: they need "
+                             "enable_prefix_caching")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.step_time_target > 0:

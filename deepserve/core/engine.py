@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from deepserve.core.kv.prefix_hash import block_hashes
+from deepserve.core.kv.tiers import KVTiers, TierStats
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.request import Request, RequestStatus
@@ -48,8 +52,18 @@ from deepserve.core.grammar_compiler import GrammarCompiler, timeout_message
 from deepserve.core.structured import GrammarBackend, GrammarMatcher, GrammarTimeout
 from deepserve.core.tracking import GRAMMAR_ERROR_PREFIX, GrammarState, RequestTracker
 
-#: how long an idle `step()` waits for a grammar compile when nothing else can run
+#: how long an idle `step()` waits for a grammar compile (or a prefix load) when nothing else can run
 _GRAMMAR_POLL_SECONDS = 0.05
+logger = logging.getLogger(__name__)
+
+
+class PageIO(Protocol):
+    """Copies KV pages to and from host memory for the cache tiers (the runner's side: `build.py` wires
+    `deepserve.model.kv_cache.read_pages` / `write_pages`). Called on the runner's thread only."""
+
+    def read(self, pages: Sequence[int]) -> list: ...
+
+    def write(self, pages: Sequence[int], blocks: Sequence) -> None: ...
 
 
 @dataclass(slots=True)
@@ -112,6 +126,7 @@ class EngineSnapshot:
     num_generation_tokens: int
     num_speculative_tokens: int
     spec: SpecDecodeStats | None  # a copy; None without speculative decoding
+    kv_tiers: dict[str, TierStats] | None = None  # copies, by tier (`host`, `store`); None without tiers
 
 
 @dataclass(slots=True)
@@ -141,6 +156,8 @@ class EngineCore:
         grammars: GrammarCompiler | None = None,
         num_speculative_tokens: int = 0,
         verify_planner=None,
+        kv_tiers: KVTiers | None = None,
+        page_io: PageIO | None = None,
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
         `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
@@ -162,6 +179,13 @@ class EngineCore:
         self._compiling: dict[str, RequestTracker] = {}  # requests whose grammar is not ready yet
         self._cut_short: set[str] = set()  # this step: requests whose kept drafts ran past where they stop
         self.stats = EngineStats()
+        # the cache tiers below the GPU pages: prefix blocks load before admission, computed ones are offloaded
+        if (kv_tiers is None) != (page_io is None):
+            raise ValueError("kv_tiers and page_io come together (the tiers' blocks are copied through page_io)")
+        self.kv_tiers, self.page_io = kv_tiers, page_io
+        self._copies_in: list[tuple[list[int], list]] = []  # (pages, blocks) the next step writes first
+        if kv_tiers is not None:
+            scheduler.kv.record_new_blocks = True
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -188,7 +212,13 @@ class EngineCore:
         detok = self.make_detokenizer(request.prompt_token_ids, params.skip_special_tokens) \
             if self.make_detokenizer else None
         future = self.grammars.submit(spec) if spec is not None else None  # raises for an unknown backend
-        self.scheduler.add_request(request, awaiting_grammar=spec is not None)  # validates; raises first
+        loading = self._start_kv_load(request)
+        try:
+            self.scheduler.add_request(request, awaiting_grammar=spec is not None, loading_kv=loading)  # validates
+        except BaseException:
+            if loading:
+                self.kv_tiers.cancel(request_id)
+            raise
         tracker = self._trackers[request_id] = RequestTracker(
             request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output),
             final_only, views)
@@ -201,6 +231,8 @@ class EngineCore:
         aborted = self.scheduler.abort(list(request_ids))
         for request in aborted:
             self._compiling.pop(request.request_id, None)
+            if self.kv_tiers is not None:
+                self.kv_tiers.cancel(request.request_id)
         return [self._trackers.pop(r.request_id).output() for r in aborted]
 
     def snapshot(self) -> EngineSnapshot:
@@ -212,7 +244,8 @@ class EngineCore:
                                        accepted_by_position=list(st.spec.accepted_by_position))
         return EngineSnapshot(len(s.running), len(s.waiting), kv.pool.num_blocks - kv.num_free_blocks,
                               kv.pool.num_blocks, kv.num_prefix_queries, kv.num_prefix_hits, st.num_steps,
-                              st.num_prompt_tokens, st.num_generation_tokens, self.num_speculative_tokens, spec)
+                              st.num_prompt_tokens, st.num_generation_tokens, self.num_speculative_tokens, spec,
+                              self.kv_tiers.snapshot() if self.kv_tiers is not None else None)
 
     def has_unfinished_requests(self) -> bool:
         """True until every request is done *and* the runner has dropped their state."""
@@ -223,13 +256,18 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Plan step N and launch it; finish step N-1 on the host while N runs. Returns updated requests."""
         outputs = self._check_grammars()
+        if self.kv_tiers is not None:
+            self._place_loaded_blocks()
         plan = self.scheduler.schedule()
         masks = self._plan_masks(plan)
         step_input = self._step_input(plan, masks)
         if masks is not None and self._in_flight is None:
             outputs += self._fill_masks(masks)  # nothing in flight: the matchers are up to date, fill before launch
-        launched = (plan, self._worker.submit(self._run, step_input)) \
+        copies, self._copies_in = self._copies_in, []
+        launched = (plan, self._worker.submit(self._run, step_input, copies)) \
             if plan.chunks or plan.finished_request_ids or plan.preempted_request_ids else None
+        if launched is None:
+            self._copies_in = copies
         outputs += self._finish_in_flight(masks)
         self._in_flight = launched
         if masks is not None and not masks.masks.bitmask.done():
@@ -239,17 +277,23 @@ class EngineCore:
             self._in_flight = None
         if launched is None and self._compiling:  # nothing could run: wait a little for a grammar
             wait([t.grammar.future for t in self._compiling.values()], _GRAMMAR_POLL_SECONDS, FIRST_COMPLETED)
+        elif launched is None and self.kv_tiers is not None and self.kv_tiers.num_loading:
+            self.kv_tiers.wait(_GRAMMAR_POLL_SECONDS)  # nothing could run: wait a little for a prefix load
         return outputs
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()  # the store writes in flight finish (each within the store's deadline)
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = ()) -> StepOutput:
         began = time.perf_counter()
         if self._last_end is not None and step.chunks:
             self.stats.host_gaps.append(began - self._last_end)
+        for pages, blocks in copies:  # blocks loaded from a lower tier, into their pages before anything reads them
+            self.page_io.write(pages, blocks)
         out = self.executor.execute(step)
         self._last_end = time.perf_counter()
         return out
@@ -322,6 +366,8 @@ class EngineCore:
             self._record_speculation(plan, out)
         self.scheduler.update_from_output(plan, out.sampled, out.num_accepted, out.draft_token_ids,
                                           out.draft_confidences)
+        if self.kv_tiers is not None:
+            self._offload_new_blocks()
         touched: dict[str, RequestTracker] = {}
         verdicts: dict[str, tuple[str, str | None]] = {}
         self._cut_short: set[str] = set()
@@ -394,6 +440,47 @@ class EngineCore:
                 spec.record(c.num_draft_tokens, out.num_accepted.get(c.request_id, 0))
         spec.num_draft_tokens += sum(map(len, out.draft_token_ids.values()))
 
+    # -- cache tiers -----------------------------------------------------------------------------------------------
+    def _start_kv_load(self, request: Request) -> bool:
+        """Ask the tiers below the GPU for the request's prefix blocks past those the GPU holds; True when the
+        request must wait for them. Not for a request that wants its prompt's logprobs (it takes no hits)."""
+        if (self.kv_tiers is None or not self.enable_prefix_caching
+                or request.sampling_params.prompt_logprobs is not None):
+            return False
+        max_blocks = max(request.num_prompt_tokens - 1, 0) // self.page_size  # a hit leaves one token to compute
+        hashes = block_hashes(request.prompt_token_ids[: max_blocks * self.page_size], self.page_size,
+                              request.cache_salt)
+        first = self.scheduler.kv.cached_prefix_length(hashes)
+        return self.kv_tiers.start_load(request.request_id, hashes, first)
+
+    def _place_loaded_blocks(self) -> None:
+        """Put each finished load's blocks into free pages (written by the next step before its forward) and let
+        its request be admitted, with them as prefix hits."""
+        kv = self.scheduler.kv
+        for load in self.kv_tiers.poll():
+            if load.request_id not in self.scheduler.requests:
+                continue  # finished (aborted) while it loaded
+            blocks = load.blocks()
+            new = kv.prepare_load(load.request_id, load.block_hashes[: load.first + len(blocks)], load.first)
+            if new:
+                self._copies_in.append(([page for _, page in new], [blocks[i - load.first] for i, _ in new]))
+            self.kv_tiers.record(load, len(new))
+            self.scheduler.kv_loaded(load.request_id)
+
+    def _offload_new_blocks(self) -> None:
+        """Copy the blocks the step completed out of their pages (on the runner's thread, after the step in
+        flight and before the next one, which may reuse a page) into the tiers below."""
+        new = self.scheduler.kv.take_new_blocks()
+        if new:
+            hashes, pages = [h for h, _ in new], [p for _, p in new]
+            self._worker.submit(self._copy_out, hashes, pages)
+
+    def _copy_out(self, hashes: list, pages: list[int]) -> None:
+        try:
+            self.kv_tiers.offload(hashes, self.page_io.read(pages))
+        except Exception:  # noqa: BLE001 - writes are best effort: a failed copy is a block not offloaded
+            logger.exception("copying %d KV blocks out to the cache tiers failed", len(pages))
+
     # -- structured output ---------------------------------------------------------------------------------------
     def _check_grammars(self) -> list[RequestOutput]:
         """Give each request whose grammar compiled its matcher; finish those whose compile failed or timed out."""
@@ -419,6 +506,8 @@ class EngineCore:
 
     def _finish_request(self, tracker: RequestTracker, reason: str, stop_reason: str | None) -> RequestOutput:
         self.scheduler.finish_requests([tracker.request.request_id], reason, stop_reason)
+        if self.kv_tiers is not None:
+            self.kv_tiers.cancel(tracker.request.request_id)
         del self._trackers[tracker.request.request_id]
         return tracker.output()
 

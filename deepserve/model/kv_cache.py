@@ -224,3 +224,60 @@ class PagedKVCache:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not in use")
         self._free_slots.append(slot)
+
+# -- pages to and from host memory (the cache tiers: deepserve.core.kv.tiers) -----------------------------------
+def page_pools(cache: PagedKVCache) -> dict[str, list[torch.Tensor]]:
+    """What one page holds, as the block stores' pools: name -> the tensors indexed by page on their first axis, in
+    layer order. Per state owner: `<owner>.csa` / `<owner>.hca` (compressed rows), `<owner>.index`
+    (indexer keys), `<owner>.snapshot` (the page-boundary window tail and CSA overlap state)."""
+    pools: dict[str, list[torch.Tensor]] = {}
+    for owner, layers in cache.pools.items():
+        for layer in layers:
+            snapshot = pools.setdefault(f"{owner}.snapshot", [])
+            snapshot.append(layer.snap_window)
+            for stream, name in ((layer.compressor, None), (layer.indexer, "index")):
+                if stream is None:
+                    continue
+                name = name or ("csa" if stream.spec.overlap else "hca")  # CSA's blocks overlap; HCA's do not
+                pools.setdefault(f"{owner}.{name}", []).append(stream.rows)
+                if stream.spec.overlap:
+                    snapshot += [stream.snap_kv, stream.snap_gate]
+    return pools
+
+
+def page_pool_bytes(cache: PagedKVCache) -> dict[str, int]:
+    """Bytes of one page in each pool of `page_pools`."""
+    return {name: sum(t[0].numel() * t.element_size() for t in tensors) for name, tensors in page_pools(cache).items()}
+
+
+def read_pages(cache: PagedKVCache, pages: Sequence[int]) -> list[dict[str, bytes]]:
+    """The bytes of `pages`, one {pool: bytes} per page (a copy to host memory)."""
+    if not pages:
+        return []
+    out: list[dict[str, bytes]] = [{} for _ in pages]
+    for name, tensors in page_pools(cache).items():
+        index = torch.tensor(list(pages), dtype=torch.long, device=tensors[0].device)
+        raw = torch.cat([t.index_select(0, index).cpu().reshape(len(pages), -1).view(torch.uint8) for t in tensors],
+                        dim=1).numpy()
+        for block, row in zip(out, raw):
+            block[name] = row.tobytes()
+    return out
+
+
+def write_pages(cache: PagedKVCache, pages: Sequence[int], blocks: Sequence[dict[str, bytes]]) -> None:
+    """Put `blocks` (as `read_pages` gives them) into `pages`."""
+    if not pages:
+        return
+    sizes = page_pool_bytes(cache)
+    for name, tensors in page_pools(cache).items():
+        data = b"".join(block[name] for block in blocks)
+        if len(data) != sizes[name] * len(pages):
+            raise ValueError(f"pool {name!r}: {len(data)} bytes for {len(pages)} pages of {sizes[name]}")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(pages), -1)
+        index = torch.tensor(list(pages), dtype=torch.long, device=tensors[0].device)
+        offset = 0
+        for t in tensors:
+            width = t[0].numel() * t.element_size()
+            rows = raw[:, offset:offset + width].contiguous().view(t.dtype).view(len(pages), *t.shape[1:])
+            t.index_copy_(0, index, rows.to(t.device))
+            offset += width

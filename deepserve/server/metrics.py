@@ -5,7 +5,10 @@ and token counters); request latencies (time to first token, inter-token, end to
 reason are observed by the handlers. With speculative decoding on, the engine's draft counters are exported as
 `deepserve_spec_decode_*`: drafted, verified and accepted tokens (totals and per sequence-step, one decoding
 request in one step) and the acceptance rate at each draft position. The same numbers are also exported under
-vLLM's names where vLLM has a counterpart (`deepserve.server.vllm_metrics`).
+vLLM's names where vLLM has a counterpart (`deepserve.server.vllm_metrics`). With cache tiers below the GPU
+(`--host-cache-bytes`, `--kv-store`), `deepserve_kv_tier_*{tier="host"|"store"}` count each tier's prefix hits
+(tokens, bytes), the seconds requests waited for its reads, the blocks written to it and evicted from it, its
+errors and timeouts (each read as a miss) and the writes dropped while too many were in flight.
 """
 
 from __future__ import annotations
@@ -119,6 +122,28 @@ class _EngineCollector(Collector):
                                   value=snap.num_generation_tokens)
         if snap.spec is not None:
             yield from _spec_decode_metrics(snap.spec)
+        if snap.kv_tiers:
+            yield from _kv_tier_metrics(snap.kv_tiers)
+
+
+_KV_TIER_COUNTERS = (
+    ("hit_tokens", "num_hit_tokens", "Prompt tokens served from this cache tier (prefix hits past the GPU pages)"),
+    ("hit_bytes", "num_hit_bytes", "KV bytes read from this cache tier for prefix hits"),
+    ("load_seconds", "load_seconds", "Seconds requests waited for this cache tier's reads"),
+    ("stored_blocks", "num_stored_blocks", "KV blocks written to this cache tier"),
+    ("stored_bytes", "num_stored_bytes", "KV bytes written to this cache tier"),
+    ("evicted_blocks", "num_evicted_blocks", "KV blocks this cache tier evicted (LRU past its capacity)"),
+    ("errors", "num_errors", "Calls to this cache tier that failed or ran past the deadline (read as misses)"),
+    ("dropped_writes", "num_dropped_writes", "KV blocks not written to this cache tier: too many writes in flight"),
+)
+
+
+def _kv_tier_metrics(tiers) -> Iterator[Metric]:
+    for name, field, help_text in _KV_TIER_COUNTERS:
+        family = CounterMetricFamily(f"deepserve_kv_tier_{name}", help_text, labels=["tier"])
+        for tier, stats in tiers.items():
+            family.add_metric([tier], getattr(stats, field))
+        yield family
 
 
 def _spec_decode_metrics(spec) -> Iterator[Metric]:

@@ -15,6 +15,13 @@ Life of a request, as the scheduler drives it:
    this one filled.
 4. `free(rid)` exactly once when the request finishes, is aborted or is preempted, including after step 1 when
    step 2 failed. After `free`, every page the request held is back in the pool.
+
+With cache tiers below the GPU (`deepserve.core.kv.tiers`): before step 1, `prepare_load(rid, hashes, first)`
+takes pages for the blocks a lower tier found and registers them under their hashes (the caller copies the bytes
+in before any step reads them); those pages, and the GPU-cached blocks before them, are *held* for the request
+until its `get_computed_blocks` (or `free`), so nothing evicts them while it waits. With `record_new_blocks` on,
+`take_new_blocks()` hands out the pages `cache_full_blocks` registered since the last call (what a step computed,
+for the tiers to copy out).
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ class KVCacheManager:
         #: prefix-cache lookups, in tokens: tokens asked about, and tokens found cached
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self._held: dict[RequestId, list[int]] = {}  # pages held for requests waiting on a lower tier
+        #: keep (hash, page) of every block `cache_full_blocks` registers, for `take_new_blocks`
+        self.record_new_blocks = False
+        self._new_blocks: list[tuple[BlockHash, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,6 +114,7 @@ class KVCacheManager:
                 break
             hit.append(page)
         self.pool.touch(hit)
+        self._release_hold(request_id)  # after the touch: a held page stays referenced throughout
         self.block_tables[request_id] = list(hit)
         self._num_registered[request_id] = len(hit)
         num_cached_tokens = len(hit) * self.block_size
@@ -152,8 +164,52 @@ class KVCacheManager:
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []),
                                      token_ids[:num_full * self.block_size], self.block_size, cache_salt)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            if self.pool.cache_block(table[i], hashes[i]) and self.record_new_blocks:
+                self._new_blocks.append((hashes[i], table[i]))
         self._num_registered[request_id] = num_full
+
+    def take_new_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(hash, page) of the blocks registered by `cache_full_blocks` since the last call (with
+        `record_new_blocks` on). Their pages hold the blocks' bytes until the next step is planned."""
+        new, self._new_blocks = self._new_blocks, []
+        return new
+
+    def cached_prefix_length(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of `block_hashes`, from the first on, the GPU pages hold now (a lookup; nothing is taken)."""
+        for n, block_hash in enumerate(block_hashes):
+            if self.pool.get_cached(block_hash) is None:
+                return n
+        return len(block_hashes)
+
+    def prepare_load(self, request_id: RequestId, block_hashes: Sequence[BlockHash],
+                     first: int) -> list[tuple[int, int]]:
+        """Hold pages for a request's prefix before it is admitted: the GPU-cached blocks of `block_hashes`, and
+        a new page for each block from index `first` on that is not cached (a lower tier has its bytes), as far
+        as free pages last. Blocks before `first` must be cached, or the prefix ends there. The new pages are
+        registered under their hashes now; returns [(block index, page)] of those, which the caller must fill
+        before any step reads them. The hold ends at the request's `get_computed_blocks` or `free`."""
+        if request_id in self._held or request_id in self.block_tables:
+            raise ValueError(f"request {request_id!r} already holds KV pages")
+        held: list[int] = []
+        new: list[tuple[int, int]] = []
+        for i, block_hash in enumerate(block_hashes):
+            page = self.pool.get_cached(block_hash)
+            if page is not None:
+                self.pool.touch([page])
+            elif i < first or not self.pool.can_allocate(1):
+                break
+            else:
+                page = self.pool.allocate(1)[0]
+                self.pool.cache_block(page, block_hash)
+                new.append((i, page))
+            held.append(page)
+        self._held[request_id] = held
+        return new
+
+    def _release_hold(self, request_id: RequestId) -> None:
+        held = self._held.pop(request_id, None)
+        if held:
+            self.pool.free(reversed(held))
 
     def free(self, request_id: RequestId) -> None:
         """Return every page the request holds. Unknown ids are ignored, so an abort may come at any time.
@@ -161,6 +217,7 @@ class KVCacheManager:
         Pages go back tail first: under LRU a prefix's last blocks are then evicted before its first ones, which
         every longer hit depends on.
         """
+        self._release_hold(request_id)
         table = self.block_tables.get(request_id)
         if table is not None:
             self.pool.free(reversed(table))

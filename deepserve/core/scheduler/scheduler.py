@@ -131,6 +131,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self._num_arrivals = 0
         self.num_preemptions = 0
+        self._loading_kv: set[str] = set()  # waiting requests whose prefix blocks are loading
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -144,9 +145,11 @@ class Scheduler:
         """Requests finished since the last `schedule()`, whose runner state the next step output frees."""
         return bool(self._finished_ids)
 
-    def add_request(self, request: Request, awaiting_grammar: bool = False) -> None:
+    def add_request(self, request: Request, awaiting_grammar: bool = False, loading_kv: bool = False) -> None:
         """Queue a new request. Its prompt must leave room for at least one output token in `max_model_len`.
-        `awaiting_grammar`: its grammar is still compiling; it prefills but does not sample until `grammar_ready`."""
+        `awaiting_grammar`: its grammar is still compiling; it prefills but does not sample until `grammar_ready`.
+        `loading_kv`: its prefix blocks are loading from a cache tier below the GPU; it waits (others pass it)
+        until `kv_loaded`."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
@@ -159,6 +162,12 @@ class Scheduler:
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if loading_kv:
+            self._loading_kv.add(request.request_id)
+
+    def kv_loaded(self, request_id: str) -> None:
+        """The request's prefix blocks are in GPU pages now (or were not found): it may be admitted."""
+        self._loading_kv.discard(request_id)
 
     def grammar_ready(self, request_id: str) -> None:
         """The request's grammar has compiled: it may sample from its next step on."""
@@ -334,8 +343,8 @@ class Scheduler:
         held: list[Request] = []  # awaiting their grammar with nothing left to prefill: the others pass them
         while self.waiting and len(self.running) < self.max_num_seqs and plan.budget > 0:
             request = self.waiting[0]
-            if request.num_inflight_verifies:  # preempted while verifying: its length is known after the update
-                held.append(self.waiting.popleft())
+            if request.num_inflight_verifies or request.request_id in self._loading_kv:
+                held.append(self.waiting.popleft())  # its length is known after the update; its KV is loading
                 continue
             # a request that wants its prompt's logprobs computes every prompt token (a hit would skip them)
             wants_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
@@ -425,6 +434,7 @@ class Scheduler:
         return True
 
     def _retire(self, request: Request) -> None:
+        self._loading_kv.discard(request.request_id)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
