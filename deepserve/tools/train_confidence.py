@@ -124,13 +124,11 @@ def extend_by_sampling(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[
     return [s[: len(p) + n] for s, p, n in zip(seqs, prompts, num_tokens)]
 
 
-def heldout_prompt_files(tokenizer, exclude: Sequence[Sequence[int]] = ()) -> list[tuple[str, list[int]]]:
-    """(path, tokens) of every held-out standard-library file that contains none of `exclude`'s prompts (each
-    prompt without its BOS)."""
+def heldout_prompt_files(tokenizer, exclude: Sequence[Sequence[int]] = (), files=None) -> list[tuple[str, list[int]]]:
+    """(path, tokens) of every held-out file (default: of the standard library; else `files`, objects with `path`
+    and `text`) that contains none of `exclude`'s prompts (each prompt without its BOS)."""
     out = []
-    for f in stdlib_files():
-        if not f.held_out:
-            continue
+    for f in (files if files is not None else [f for f in stdlib_files() if f.held_out]):
         ids = tokenizer.encode(f.text, add_bos=False)
         text = "," + ",".join(map(str, ids)) + ","
         if any("," + ",".join(map(str, p[1:])) + "," in text for p in exclude):
@@ -279,10 +277,73 @@ def evaluate(head: ConfidenceHead, outcomes: DraftOutcomes, baseline: torch.nn.M
 
 # ----------------------------------------------------------------------------------------------- main
 
-def collect(model, prompts: list[list[int]], num_tokens: int, k: int, batch_size: int, desc: str) -> DraftOutcomes:
-    parts = [log_draft_outcomes(model, prompts[i : i + batch_size], num_tokens, k)
-             for i in tqdm(range(0, len(prompts), batch_size), desc=desc, file=sys.stderr)]
+def collect(model, prompts: list[list[int]], num_tokens: int, k: int, batch_size: int, desc: str,
+            deadline: float | None = None) -> DraftOutcomes:
+    """Outcomes of every batch of prompts; past `deadline` (a `time.time()`), stops after the batch in hand."""
+    parts = []
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, file=sys.stderr):
+        parts.append(log_draft_outcomes(model, prompts[i : i + batch_size], num_tokens, k))
+        if deadline is not None and time.time() > deadline:
+            break
     return DraftOutcomes.cat(parts)
+
+
+def fit(model_dir: Path, out: Path | None = None, files=None, device: str = "cpu", train_prompts: int = 1024,
+        eval_prompts: int = 256, context: int = 128, num_tokens: int = 16, k: int = 5, batch_size: int = 64,
+        epochs: int = 30, width: int = 32, seed: int = 0, time_budget: float | None = None,
+        exact: bool = True) -> dict:
+    """Collect outcomes on held-out prompts, train the head, write it (default MODEL_DIR/HEAD_FILE) and return the
+    training record. `files`: the held-out files to cut prompts from (default: the standard library's). With
+    `time_budget` (seconds), outcome collection shares it: 1/8 validation, 5/8 training, 2/8 evaluation.
+    `exact`: the reference backend's batch-invariant maths (slow; False: torch's kernels, ~1e-6 apart)."""
+    from deepserve.backends.reference import ReferenceBackend
+    from deepserve.model.factory import load_model
+    from deepserve.model.tokenizer import Tokenizer
+
+    t0 = time.time()
+    model = load_model(model_dir, ReferenceBackend(device, exact=exact), dtype="float32", progress=False)
+    tokenizer = Tokenizer(model_dir, model.cfg)
+    heldout = model_dir / "heldout.json"
+    exclude = [c["prompt"] for c in json.loads(heldout.read_text())["completion"]] if heldout.is_file() else []
+    files = heldout_prompt_files(tokenizer, exclude, files)
+    train_files = [f for f in files if not is_eval_file(f[0])]
+    eval_files = [f for f in files if is_eval_file(f[0])]
+    rng = random.Random(seed)
+    room = num_tokens + 8
+    newline_ids = {i for i in range(tokenizer.vocab_size) if (tokenizer.id_to_token(i) or "").endswith("Ċ")}
+    train_p = cut_prompts(train_files, newline_ids, train_prompts, context, room, rng)
+    eval_p = cut_prompts(eval_files, newline_ids, eval_prompts, context, room, rng)
+    g = torch.Generator().manual_seed(seed)
+    for prompts in (train_p, eval_p):  # every other pair of prompts gets 1-8 sampled tokens appended
+        picked = [i for i in range(len(prompts)) if i % 4 >= 2]
+        ext = extend_by_sampling(model, [prompts[i] for i in picked], [rng.randint(1, 8) for _ in picked], g)
+        for i, p in zip(picked, ext):
+            prompts[i] = p
+    n_val = len(train_p) // 8
+
+    def until(share: float) -> float | None:
+        return None if time_budget is None else time.time() + share * max(0.0, time_budget - (time.time() - t0))
+
+    val = collect(model, train_p[:n_val], num_tokens, k, batch_size, "val outcomes", until(1 / 8))
+    train = collect(model, train_p[n_val:], num_tokens, k, batch_size, "train outcomes", until(5 / 7))
+    test = collect(model, eval_p, num_tokens, k, batch_size, "eval outcomes", until(1.0))
+    t_data = time.time() - t0
+    print(f"outcomes: {len(train)} train, {len(val)} val, {len(test)} eval rows in {t_data:.0f} s", file=sys.stderr)
+
+    head, history = train_head(train, val, model.cfg.hidden_size, seed, width, epochs)
+    out = out or model_dir / HEAD_FILE
+    head.save(out)
+    result = evaluate(head, test, calibrated_top1(DraftOutcomes.cat([train, val])))
+    for name in ("head", "calibrated_top1", "top1_heuristic"):
+        print(f"{name:>16}: " + ", ".join(f"{k} {v}" for k, v in result[name].items() if k != "calibration"),
+              file=sys.stderr)
+    return dict(
+        model=str(model_dir.name), python=python_version(), head_file=str(out.name), head_bytes=out.stat().st_size,
+        seed=seed, device=device, k=k, context=context, num_tokens=num_tokens,
+        files=dict(train=len(train_files), eval=len(eval_files)),
+        rows=dict(train=len(train), val=len(val), eval=len(test)),
+        seconds=dict(outcomes=round(t_data), total=round(time.time() - t0)), eval=result, history=history,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -302,57 +363,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="more than the free cores slows it down tenfold")
     args = ap.parse_args(argv)
 
-    from deepserve.backends.reference import ReferenceBackend
-    from deepserve.model.factory import load_model
-    from deepserve.model.tokenizer import Tokenizer
-
     torch.set_num_threads(args.threads)
-    t0 = time.time()
-    model = load_model(args.model_dir, ReferenceBackend("cpu"), dtype="float32", progress=False)
-    tokenizer = Tokenizer(args.model_dir, model.cfg)
-    heldout = args.model_dir / "heldout.json"
-    exclude = [c["prompt"] for c in json.loads(heldout.read_text())["completion"]] if heldout.is_file() else []
-    files = heldout_prompt_files(tokenizer, exclude)
-    train_files = [f for f in files if not is_eval_file(f[0])]
-    eval_files = [f for f in files if is_eval_file(f[0])]
-    rng = random.Random(args.seed)
-    room = args.num_tokens + 8
-    newline_ids = {i for i in range(tokenizer.vocab_size) if (tokenizer.id_to_token(i) or "").endswith("Ċ")}
-    train_prompts = cut_prompts(train_files, newline_ids, args.train_prompts, args.context, room, rng)
-    eval_prompts = cut_prompts(eval_files, newline_ids, args.eval_prompts, args.context, room, rng)
-    g = torch.Generator().manual_seed(args.seed)
-    for prompts in (train_prompts, eval_prompts):  # every other pair of prompts gets 1-8 sampled tokens appended
-        picked = [i for i in range(len(prompts)) if i % 4 >= 2]
-        ext = extend_by_sampling(model, [prompts[i] for i in picked], [rng.randint(1, 8) for _ in picked], g)
-        for i, p in zip(picked, ext):
-            prompts[i] = p
-    n_val = len(train_prompts) // 8
-    val = collect(model, train_prompts[:n_val], args.num_tokens, args.k, args.batch_size, "val outcomes")
-    train = collect(model, train_prompts[n_val:], args.num_tokens, args.k, args.batch_size, "train outcomes")
-    test = collect(model, eval_prompts, args.num_tokens, args.k, args.batch_size, "eval outcomes")
-    t_data = time.time() - t0
-    print(f"outcomes: {len(train)} train, {len(val)} val, {len(test)} eval rows in {t_data:.0f} s", file=sys.stderr)
-
-    head, history = train_head(train, val, model.cfg.hidden_size, args.seed, args.width, args.epochs)
-    out = args.out or args.model_dir / HEAD_FILE
-    head.save(out)
-    result = evaluate(head, test, calibrated_top1(DraftOutcomes.cat([train, val])))
-    for name in ("head", "calibrated_top1", "top1_heuristic"):
-        print(f"{name:>16}: " + ", ".join(f"{k} {v}" for k, v in result[name].items() if k != "calibration"),
-              file=sys.stderr)
+    record = fit(args.model_dir, args.out, None, "cpu", args.train_prompts, args.eval_prompts, args.context,
+                 args.num_tokens, args.k, args.batch_size, args.epochs, args.width, args.seed)
     if args.record:
-        record = dict(
-            command=" ".join(["python -m deepserve.tools.train_confidence",
-                              *(argv if argv is not None else sys.argv[1:])]),
-            model=str(args.model_dir.name), python=python_version(), head_file=str(out.name),
-            head_bytes=out.stat().st_size,
-            seed=args.seed, threads=args.threads, k=args.k, context=args.context, num_tokens=args.num_tokens,
-            files=dict(train=len(train_files), eval=len(eval_files), excluded_for_tests=len(
-                [f for f in stdlib_files() if f.held_out]) - len(files)),
-            rows=dict(train=len(train), val=len(val), eval=len(test)),
-            seconds=dict(outcomes=round(t_data), total=round(time.time() - t0)),
-            eval=result, history=history,
-        )
+        record = dict(command=" ".join(["python -m deepserve.tools.train_confidence",
+                                        *(argv if argv is not None else sys.argv[1:])]), threads=args.threads,
+                      **record)
+        record["files"]["excluded_for_tests"] = len([f for f in stdlib_files() if f.held_out]) - sum(
+            record["files"].values())
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=1) + "\n")
 

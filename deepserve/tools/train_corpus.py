@@ -164,11 +164,44 @@ class ChatText:
     answer: str
 
 
-def chat_text(pair: FunctionPair, rng: random.Random, thinking_share: float = 0.3) -> ChatText:
+#: plain requests, as a user types them ("Write a function that reverses a list."), from the docstring's summary
+_PLAIN_ASKS = (
+    "Write a function that {summary}",
+    "Write a Python function that {summary}",
+    "Can you write a function that {summary}",
+)
+
+
+def summary_clause(doc: str) -> str | None:
+    """The docstring's first sentence as a relative clause ("Return the sum." -> "returns the sum."), or None when
+    it does not start with an imperative verb (a capitalised word) or is not one short sentence."""
+    first = doc.strip().split("\n\n", 1)[0].replace("\n", " ").strip()
+    words = first.split(" ", 1)
+    if len(words) < 2 or not words[0].isalpha() or not words[0][:1].isupper() or words[0][1:] != words[0][1:].lower():
+        return None
+    if not first.endswith(".") or len(first) > 160 or first.count(". ") > 0:
+        return None
+    verb = words[0].lower()
+    if verb in ("this", "the", "a", "an", "it", "if", "for", "in", "deprecated", "internal", "helper", "private"):
+        return None
+    if verb.endswith(("s", "sh", "ch", "x", "z")):
+        verb += "es"
+    elif verb.endswith("y") and verb[-2:-1] not in "aeiou":
+        verb = verb[:-1] + "ies"
+    else:
+        verb += "s"
+    return f"{verb} {words[1]}"
+
+
+def chat_text(pair: FunctionPair, rng: random.Random, thinking_share: float = 0.3, plain_share: float = 0.0) -> ChatText:
     cls, _, name = pair.qualname.rpartition(".")
     doc = pair.doc if len(pair.doc) <= 600 else pair.doc[:600].rsplit(" ", 1)[0] + " ..."
     template = rng.choice(_METHOD_ASKS if cls else _ASKS)
-    user = template.format(name=name, sig=pair.signature, doc=doc, cls=cls)
+    summary = summary_clause(pair.doc) if not cls and plain_share else None
+    if summary is not None and rng.random() < plain_share:
+        template = rng.choice(_PLAIN_ASKS)
+        doc = summary
+    user = template.format(name=name, sig=pair.signature, doc=doc, cls=cls, summary=doc)
     thinking = rng.random() < thinking_share
     args = pair.signature[1:-1] or "no arguments"
     what = f"the method `{name}` of `{cls}`" if cls else f"the function `{name}`"
@@ -231,7 +264,18 @@ DATA_FILE = "data.npz"
 META_FILE = "meta.json"
 
 
-def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, log=print) -> Path:
+def _pairs_of(f: SourceFile) -> list[FunctionPair]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return function_pairs([f])
+
+
+def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, log=print,
+                 files: Sequence[SourceFile] | None = None, tokenizer_chars: int | None = None,
+                 max_pairs: int | None = None, plain_share: float = 0.0, processes: int = 1,
+                 extra_meta: dict | None = None) -> Path:
     """Tokenizer plus token arrays of the whole corpus in `out` (`tokenizer.json`, `data.npz`, `meta.json`).
 
     Training code is one stream of `BOS file EOS` records (`code`, starting offsets in `code_doc_starts`); chat
@@ -242,12 +286,24 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
     import tokenizers
 
     out.mkdir(parents=True, exist_ok=True)
-    files = stdlib_files()
+    stdlib_only = files is None
+    files = stdlib_files() if files is None else list(files)
     train_files = [f for f in files if not f.held_out]
     held_files = [f for f in files if f.held_out]
-    log(f"corpus: {len(files)} files of Python {python_version()}'s standard library, "
+    log(f"corpus: {len(files)} files{' of Python ' + python_version() + chr(39) + 's standard library' if stdlib_only else ''}, "
         f"{len(held_files)} held out; fingerprint {corpus_fingerprint(files)}")
-    tok_file = build_tokenizer(out, (f.text for f in train_files), vocab_size)
+    tok_texts = [f.text for f in train_files]
+    if tokenizer_chars is not None:  # learn the merges from a sample of the training files, in a seeded order
+        order = sorted(range(len(train_files)),
+                       key=lambda i: hashlib.sha1(f"{seed}:{train_files[i].path}".encode()).hexdigest())
+        tok_texts, n = [], 0
+        for i in order:
+            if n >= tokenizer_chars:
+                break
+            tok_texts.append(train_files[i].text)
+            n += len(train_files[i].text)
+    tok_file = build_tokenizer(out, tok_texts, vocab_size)
+    log(f"tokenizer: {vocab_size} ids, merges learned from {sum(map(len, tok_texts)) / 1e6:.1f} M characters")
     tok = tokenizers.Tokenizer.from_file(str(tok_file))
     end_think = tok.token_to_id("</think>")
 
@@ -268,7 +324,7 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
         ids_all, mask_all, starts, n = [], [], [], 0
         for pair in pairs:
             for _ in range(variants):
-                c = chat_text(pair, rng)
+                c = chat_text(pair, rng, plain_share=plain_share)
                 prompt = render_prompt(encoding, c.user, c.thinking)
                 answer = tok.encode(c.answer, add_special_tokens=False).ids
                 if c.thinking:
@@ -283,9 +339,18 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
 
     code, code_starts = code_stream(train_files)
     held, held_starts = code_stream(held_files)
-    pairs = function_pairs(files)
+    if processes > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(processes) as pool:
+            pairs = [p for ps in pool.map(_pairs_of, files, chunksize=16) for p in ps]
+    else:
+        pairs = function_pairs(files)
     train_pairs = [p for p in pairs if not p.held_out]
     held_pairs = [p for p in pairs if p.held_out]
+    if max_pairs is not None and len(train_pairs) > max_pairs:  # a seeded sample, kept in corpus order
+        keep = set(random.Random(seed).sample(range(len(train_pairs)), max_pairs))
+        train_pairs = [p for i, p in enumerate(train_pairs) if i in keep]
     chat, chat_mask, chat_starts = chat_stream(train_pairs, chat_variants)
     hchat, hchat_mask, hchat_starts = chat_stream(held_pairs, 1)
     counts = np.bincount(np.concatenate((code, chat[chat_mask.astype(bool)])).astype(np.int64), minlength=vocab_size)
@@ -301,6 +366,7 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
         num_heldout_pairs=len(held_pairs), chat_tokens=int(len(chat)), chat_variants=chat_variants,
         heldout_pairs=[dict(path=p.path, qualname=p.qualname, signature=p.signature, doc=p.doc) for p in held_pairs],
         card_chat_prompt_ids=render_prompt(encoding, CARD_CHAT_REQUEST, thinking=False),
+        **(extra_meta or {}),
     )
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     log(f"tokens: {len(code):,} code + {len(chat):,} chat for training; {len(held):,} code + {len(hchat):,} chat "

@@ -188,3 +188,131 @@ def mtp_acceptance(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]
             state.mtp_layers, state.mtp_num_tokens = saved
     return dict(first_draft=first_hits / first_n, chained_k=k, mean_accepted=float(np.mean(accepted)),
                 positions=first_n, chained_positions=len(accepted))
+
+
+# -- v2: batched evaluation through the training forward ----------------------------------------------------------
+# The training forward (`train_forward`) is checked against deepserve's inference forward before every training
+# run (max |dlogit| in the card), and is one batched pass per step instead of a loop over sequences, so the
+# evaluations below that generate hundreds of tokens for hundreds of prompts use it.
+
+@torch.inference_mode()
+def batched_loss(model: DeepseekV4ForCausalLM, windows: Sequence[Sequence[int]], batch_size: int = 32) -> dict:
+    """Mean next-token NLL (nats) over every target of every window (each from position 0), batched through the
+    training forward; windows of one batch are right-padded (causal attention: padding never reaches a target)."""
+    from .train_forward import Pass, main_streams
+
+    device = model.backend.device
+    nll, n = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        group = windows[i : i + batch_size]
+        L = max(len(w) for w in group) - 1
+        ids = torch.full((len(group), L), BOS, dtype=torch.long)
+        rows, targets = [], []
+        for b, w in enumerate(group):
+            ids[b, : len(w) - 1] = torch.tensor(w[:-1])
+            rows.extend(range(b * L, b * L + len(w) - 1))
+            targets.extend(w[1:])
+        streams = main_streams(model, ids.to(device), Pass(len(group), L, torch.arange(L, device=device).repeat(len(group))))
+        rows_t = torch.tensor(rows, device=device)
+        logits = model.logits(model.model.final_hidden(streams[rows_t]))
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=device), reduction="sum"))
+        n += len(targets)
+    return dict(loss=nll / n, ppl=math.exp(nll / n), tokens=n)
+
+
+@torch.inference_mode()
+def batched_greedy(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]], max_new: int, eos: int,
+                   batch_size: int = 64, stop=None, check_every: int = 16) -> list[tuple[list[int], bool]]:
+    """Greedy continuations (token ids, ended by `eos`) of every prompt, batched through the training forward
+    (the whole sequence recomputed every step; right-padded, so each row reads its own last position).
+    `stop(i, ids)`, checked every `check_every` steps, ends prompt i early (e.g. once its function has ended)."""
+    from .train_forward import Pass, main_streams
+
+    device = model.backend.device
+    results: list[tuple[list[int], bool]] = []
+    for start in range(0, len(prompts), batch_size):
+        group = [list(p) for p in prompts[start : start + batch_size]]
+        gens: list[list[int]] = [[] for _ in group]
+        ended = [False] * len(group)
+        live = list(range(len(group)))
+        for step in range(max_new):
+            if not live:
+                break
+            seqs = [group[b] + gens[b] for b in live]
+            L = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), L), eos, dtype=torch.long)
+            for r, s in enumerate(seqs):
+                ids[r, : len(s)] = torch.tensor(s)
+            streams = main_streams(model, ids.to(device), Pass(len(seqs), L, torch.arange(L, device=device).repeat(len(seqs))))
+            rows = torch.tensor([r * L + len(s) - 1 for r, s in enumerate(seqs)], device=device)
+            nxt = model.logits(model.model.final_hidden(streams[rows])).argmax(-1).tolist()
+            for b, t in zip(live, nxt):
+                if t == eos:
+                    ended[b] = True
+                else:
+                    gens[b].append(int(t))
+            if stop is not None and (step + 1) % check_every == 0:
+                for b in live:
+                    if not ended[b] and stop(start + b, gens[b]):
+                        ended[b] = True
+            live = [b for b in live if not ended[b]]
+        results.extend((g, e) for g, e in zip(gens, ended))
+    return results
+
+
+def function_end(header: str, completion: str, finished: bool) -> str:
+    """The issue's cut of a completion: up to the first non-blank line that returns to the header's indentation
+    level (the function has ended), else the whole completion less a trailing unfinished line (one that the
+    generation's token limit cut off; a completion that ended with EOS is whole)."""
+    indent = len(header) - len(header.lstrip(" "))
+    lines = completion.split("\n")
+    for i, line in enumerate(lines):
+        if line.strip() and len(line) - len(line.lstrip(" ")) <= indent:
+            return "\n".join(lines[:i])
+    return completion if finished else "\n".join(lines[:-1])
+
+
+def completion_parses(header: str, completion: str, finished: bool) -> bool:
+    """Whether header + `function_end(...)` parses with `ast.parse` and the function holds at least one statement
+    besides its docstring (comments are no statements, so a completion of comments alone fails)."""
+    import ast
+    import textwrap
+    import warnings
+
+    code = textwrap.dedent(header + function_end(header, completion, finished))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    fn = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if fn is None:
+        return False
+    doc = 1 if ast.get_docstring(fn, clean=False) is not None else 0
+    return len(fn.body) > doc
+
+
+_FENCE = None
+
+
+def fenced_code_parses(answer: str) -> bool:
+    """Whether a chat answer holds a closed ```` ```python ```` (or bare ```` ``` ````) block that parses with
+    `ast.parse` and holds at least one statement that is not a bare string."""
+    import ast
+    import re
+    import warnings
+
+    global _FENCE
+    if _FENCE is None:
+        _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+    for block in _FENCE.findall(answer):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(block)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        if any(not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)) for s in tree.body):
+            return True
+    return False

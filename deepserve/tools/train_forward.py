@@ -38,7 +38,7 @@ class Pass:
 def _pool(pooler: _Pooler, x: torch.Tensor, p: Pass) -> torch.Tensor:
     """Compressed rows [B, R, dim] of every closed block (`Compressor.emit` for a sequence from position 0)."""
     m, d, R = pooler.ratio, pooler.dim, p.L // pooler.ratio
-    kv, gate = pooler.project(x, p.positions)
+    kv, gate = pooler.biased(pooler.kv_proj(x), pooler.gate_proj(x), p.positions)
     kv = kv.view(p.B, p.L, -1)[:, : R * m].reshape(p.B, R, m, -1)
     gate = gate.view(p.B, p.L, -1)[:, : R * m].reshape(p.B, R, m, -1)
     if pooler.overlap:  # entry w pools block w-1's Ca half and block w's Cb half
@@ -134,13 +134,19 @@ def decoder_layer(layer: DecoderLayer, streams: torch.Tensor, token_ids: torch.T
     return layer.ffn_hc.post(streams, f, post, comb)
 
 
-def main_forward(model: DeepseekV4ForCausalLM, ids: torch.Tensor, p: Pass) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] -> (last-layer streams [B*L, n, D], fp32 logits [B*L, V])."""
+def main_streams(model: DeepseekV4ForCausalLM, ids: torch.Tensor, p: Pass) -> torch.Tensor:
+    """ids [B, L] -> last-layer streams [B*L, n, D]."""
     flat = ids.reshape(-1)
     e = model.model.embed_tokens(flat)
     streams = e.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
     for layer in model.model.layers:
         streams = decoder_layer(layer, streams, flat, p)
+    return streams
+
+
+def main_forward(model: DeepseekV4ForCausalLM, ids: torch.Tensor, p: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] -> (last-layer streams [B*L, n, D], fp32 logits [B*L, V])."""
+    streams = main_streams(model, ids, p)
     return streams, model.logits(model.model.final_hidden(streams))
 
 
