@@ -126,3 +126,26 @@ async def test_a_server_that_is_down_is_a_miss():
 def test_a_malformed_redis_uri_names_the_problem(uri, message):
     with pytest.raises(ValueError, match=message):
         registry().open(uri)
+
+
+def test_a_restarted_engine_hits_redis_with_identical_outputs(redis_server, tiny_dir):
+    import random
+
+    from deepserve import LLM, SamplingParams
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 512) for _ in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    uri = f"redis://127.0.0.1:{redis_server}/4?key_prefix=engine"
+
+    def run():
+        llm = LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=128, kv_store=uri)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        llm.engine.shutdown()  # its writes finish
+        return out, llm.engine.snapshot().kv_tiers["store"]
+
+    cold, written = run()
+    warm, read = run()
+    assert cold.num_cached_tokens == 0 and written.num_stored_blocks == 2 and written.num_errors == 0
+    assert warm.num_cached_tokens == 256 and read.num_hit_tokens == 256
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
