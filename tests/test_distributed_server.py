@@ -1,0 +1,84 @@
+"""The HTTP server in front of two expert-parallel ranks (gloo, the embedded model): streaming equals one
+process, a client that disconnects aborts its request on its rank, `/metrics` sums the ranks, and the graceful
+shutdown lets a stream finish and then stops every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepserve import LLM, SamplingParams
+from deepserve.core.env import default_model_dir
+from deepserve.core.plugins import make_plugin_manager
+from deepserve.server import ENGINE, ServerConfig, create_app
+
+MODEL = str(default_model_dir())
+OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
+
+
+def make_app():
+    config = ServerConfig(model=MODEL, served_model_name="tiny", default_thinking_mode=False,
+                          engine_kwargs=dict(OPTIONS, data_parallel_size=2, enable_expert_parallel=True))
+    return create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False))
+
+
+def metric(text: str, name: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+async def until(condition, seconds: float = 60.0) -> bool:
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_streams_aborts_and_metrics_across_ranks(aiohttp_client):
+    client = await aiohttp_client(make_app())
+    front = client.app[ENGINE].engine
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    want = LLM(**OPTIONS).generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    whole = await (await client.post("/v1/completions", json=body)).json()
+    streamed = await (await client.post("/v1/completions", json={**body, "stream": True})).text()
+    pieces = [json.loads(line[len("data: "):]) for line in streamed.split("\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert whole["choices"][0]["text"] == want.outputs[0].text
+    assert "".join(p["choices"][0]["text"] for p in pieces) == want.outputs[0].text
+
+    long = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    response = await client.post("/v1/completions", json=long)
+    line = b""
+    while not line.startswith(b"data:"):
+        line = await response.content.readline()
+    assert front.has_unfinished_requests()
+    response.close()  # the client goes away mid-stream: the rank holding the request aborts it
+    assert await until(lambda: not front.has_unfinished_requests()
+                       and all(s.num_requests_running == 0 for s in front.rank_snapshots))
+    metrics = await (await client.get("/metrics")).text()
+    assert 'deepserve_requests_finished_total{reason="abort"} 1.0' in metrics
+    assert metric(metrics, "deepserve_kv_cache_pages_total") == sum(s.num_kv_pages_total for s in front.rank_snapshots)
+    assert sum(s.num_generation_tokens for s in front.rank_snapshots) >= 16
+
+
+async def test_graceful_shutdown_finishes_the_stream_then_stops_the_ranks(aiohttp_client):
+    client = await aiohttp_client(make_app())
+    front = client.app[ENGINE].engine
+    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 12, "ignore_eos": True, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    first = await response.content.readline()
+    closing = asyncio.create_task(client.server.close())
+    rest = (await response.read()).decode()
+    await closing
+    events = [line for line in (first.decode() + rest).split("\n") if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert await until(lambda: all(not p.is_alive() for p in front.processes), 30)
