@@ -212,6 +212,24 @@ def test_a_hanging_store_is_a_miss_within_its_deadline(tiny_dir, cold):
     assert engine.kv_tiers.store_stats.num_errors >= 2
 
 
+def test_a_request_aborted_while_its_prefix_loads_leaves_nothing_behind(tiny_dir, cold):
+    items, _, _ = cold
+    config = resolve_config(tiny_dir, dtype="float32", accelerator="cpu", block_size=P, kv_store="hang://",
+                            kv_store_deadline=30.0)
+    parts = build_engine(config, make_plugin_manager(load_entrypoints=False, plugins=[HangingStores()]))
+    engine, kv = parts.engine, parts.kv_manager
+    engine.add_request("waits", items[0], GREEDY)
+    engine.add_request("short", items[0][:50], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_tiers.num_loading == 1 and kv.block_tables.keys() <= {"short"}  # it waits; the other ran
+    engine.abort(["waits"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_tiers.num_loading == 0 and kv.num_free_blocks == kv.pool.num_blocks
+    engine.shutdown()
+
+
 def test_tier_counters_reach_metrics(tiny_dir, cold, tmp_path):
     from deepserve.server.metrics import ServerMetrics
 
