@@ -191,3 +191,31 @@ async def test_dir_store_expires_by_ttl_class_and_evicts_lru_past_its_watermark(
     assert len(left) * 80 <= 400 and left == sorted(left)[-len(left):]  # the oldest went first
     with pytest.raises(ValueError, match="ttl_class"):
         await store.put_many([(keys([1])[0], b"x")], ttl_class="forever")
+
+
+async def test_dir_store_gc_passes_over_a_block_being_read(tmp_path, monkeypatch):
+    import threading
+
+    from deepserve.plugins.cache.dir_store import DirStore
+
+    clock = Clock()
+    store = DirStore(tmp_path, capacity_bytes=4 * 80, high=0.9, low=0.5, clock=clock)
+    for h in range(3):
+        await store.put_many([(keys([h])[0], bytes([h]) * 64)])
+        clock.now += 1
+    reading, collected = threading.Event(), threading.Event()
+    plain = DirStore._read_file
+
+    def slow_read(path):
+        reading.set()
+        assert collected.wait(10)
+        return plain(path)
+
+    monkeypatch.setattr(DirStore, "_read_file", staticmethod(slow_read))
+    buffer = bytearray(64)
+    read = asyncio.ensure_future(store.get_many(keys([0]), [buffer]))  # block 0: the least recently used
+    assert await asyncio.to_thread(reading.wait, 10)
+    await store.put_many([(keys([9])[0], b"n" * 64)])  # 4 blocks past 90% of 320 bytes: gc() runs
+    collected.set()
+    assert await read == [True] and buffer == bytes([0]) * 64  # not evicted under its reader
+    assert [await store.longest_prefix(NS, [h], ["csa"]) for h in (0, 1, 2, 9)] == [1, 0, 0, 1]  # 1, 2 went

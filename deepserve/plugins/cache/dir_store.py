@@ -12,7 +12,8 @@ file system) holds, so every engine that mounts it reads every block, and the bl
   Reads look only at the days still alive; `gc()` removes whole expired day directories. The clock is injectable.
 - **LRU past a watermark**: a write or a read sets its file's mtime to the store's clock; when the store holds more than `capacity_bytes *
   high`, `gc()` (run by the writes that cross it) removes the least recently used files down to `capacity_bytes *
-  low`.
+  low`. A block a read has found is pinned until the read is done: `gc()` passes over it, so nothing is evicted
+  under a reader (it goes at the next `gc()`).
 
 URI options: `capacity_bytes`, `high` (0.9), `low` (0.8), `ttl_class` (`chat`). File I/O runs on a worker thread,
 never on the caller's event loop.
@@ -24,8 +25,10 @@ import asyncio
 import hashlib
 import os
 import struct
+import threading
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -76,6 +79,8 @@ class DirStore(BlockStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._counts = dict(num_hits=0, num_misses=0, num_puts=0, num_evictions=0)
         self._num_bytes: int | None = None  # bytes of block files, counted at the first write, kept after
+        self._pinned: Counter[Path] = Counter()  # block files being read, which gc() leaves alone
+        self._pin_lock = threading.Lock()
 
     @classmethod
     def from_uri(cls, uri: str) -> DirStore:
@@ -102,14 +107,21 @@ class DirStore(BlockStore):
 
     # -- blocking operations (on a worker thread) --------------------------------------------------------------
     def _read(self, key: BlockKey, buffer) -> bool:
-        path = self._find(key)
         view = memoryview(buffer).cast("B")
-        if path is None:
-            return False
+        with self._pin_lock:  # found and pinned at once: a gc() between the two could take it
+            path = self._find(key)
+            if path is None:
+                return False
+            self._pinned[path] += 1
         try:
-            data = path.read_bytes()
+            data = self._read_file(path)
         except OSError:
             return False
+        finally:
+            with self._pin_lock:
+                self._pinned[path] -= 1
+                if not self._pinned[path]:
+                    del self._pinned[path]
         if len(data) < _HEADER.size:
             return self._drop(path)
         magic, length, crc = _HEADER.unpack_from(data)
@@ -122,6 +134,10 @@ class DirStore(BlockStore):
         now = self.clock()
         os.utime(path, (now, now))  # the LRU's clock: when the block was last used
         return True
+
+    @staticmethod
+    def _read_file(path: Path) -> bytes:
+        return path.read_bytes()
 
     def _drop(self, path: Path) -> bool:
         path.unlink(missing_ok=True)
@@ -158,6 +174,9 @@ class DirStore(BlockStore):
             live = {str(d) for d in self._live_days(ttl_class)}
             for day_dir in (self.root / ttl_class).glob("*") if (self.root / ttl_class).is_dir() else ():
                 if day_dir.name not in live:
+                    with self._pin_lock:
+                        if any(path.is_relative_to(day_dir) for path in self._pinned):
+                            continue  # a read still holds one of its files: the next gc() takes the day
                     files = list(day_dir.rglob("*.blk"))
                     removed += len(files)
                     for f in sorted(day_dir.rglob("*"), reverse=True):
@@ -167,12 +186,15 @@ class DirStore(BlockStore):
         total = sum(size for _, size, _ in files)
         if self.capacity_bytes is not None:
             if total > self.capacity_bytes * self.high:
-                for _, size, path in files:
-                    if total <= self.capacity_bytes * self.low:
-                        break
-                    path.unlink(missing_ok=True)
-                    total -= size
-                    removed += 1
+                with self._pin_lock:
+                    for _, size, path in files:
+                        if total <= self.capacity_bytes * self.low:
+                            break
+                        if path in self._pinned:
+                            continue  # being read: not evicted under its reader
+                        path.unlink(missing_ok=True)
+                        total -= size
+                        removed += 1
         self._num_bytes = total
         self._counts["num_evictions"] += removed
         return removed
