@@ -325,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
                           "drifting": lambda: Drifting(phase.steps, phase.drift_tau, args.seed + 2),
                           "recorded": lambda: recorded}[source_name]()
                 out = simulate(phase, source, ep, seed)
-                results.append({"phase": phase.name, "source": source_name, "ep": ep, **out})
+                slots = NUM_LAYERS * (NUM_EXPERTS + phase.config.redundant_experts_per_gpu * ep)
+                results.append({"phase": phase.name, "source": source_name, "ep": ep, "physical_slots": slots,
+                                **out})
                 print(f"{phase.name:7} {source_name:8} EP{ep:<3} " + "  ".join(
                     f"{k} {v:.3f}" for k, v in out["mean_imbalance"].items())
                     + f"  ({out['num_rebalances']} reassignments, {time.perf_counter() - t0:.0f} s)", flush=True)

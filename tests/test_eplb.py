@@ -231,3 +231,49 @@ def test_placement_refuses_inconsistent_arrays():
         Placement(good.phy2log, (((1,), (0,), (2,), (3,)),), good.logcnt, 2)
     with pytest.raises(ValueError, match="do not divide over 3 GPUs"):
         Placement.contiguous(1, 4, 3)
+
+
+def shuffled_gpus(placement: Placement, seed: int) -> Placement:
+    """The same placement with its GPUs renumbered at random (what EPLB's packing order can do)."""
+    rng, per = random.Random(seed), placement.slots_per_gpu
+    order = list(range(placement.num_gpus))
+    rng.shuffle(order)
+    phy2log = tuple(tuple(e for g in order for e in row[g * per:(g + 1) * per]) for row in placement.phy2log)
+    log2phy = []
+    for row in phy2log:
+        slots = [[] for _ in range(placement.num_logical_experts)]
+        for s, e in enumerate(row):
+            slots[e].append(s)
+        width = len(placement.log2phy[0][0])
+        log2phy.append(tuple(tuple(s + [-1] * (width - len(s))) for s in slots))
+    return Placement(phy2log, tuple(log2phy), placement.logcnt, placement.num_gpus, placement.num_nodes)
+
+
+def test_alignment_keeps_loads_and_moves_fewer_weights():
+    loads = zipf_loads(4, 64, 0.8, seed=5)
+    old = Placement.from_loads(loads, 8, 8)
+    assert old.aligned_to(old) == old
+    # a renumbering alone moves nothing (replica ranks may differ: which copy is "first" does not matter)
+    assert shuffled_gpus(old, 1).aligned_to(old).phy2log == old.phy2log
+    rng = random.Random(6)
+    drifted = [[w * rng.uniform(0.8, 1.25) for w in row] for row in loads]
+    raw = Placement.from_loads(drifted, 8, 8)
+    aligned = raw.aligned_to(old)
+    counts = [[rng.randint(0, 100) for _ in range(64)] for _ in range(4)]
+    assert aligned.imbalance(counts) == pytest.approx(raw.imbalance(counts)) and aligned.logcnt == raw.logcnt
+    for a, b in zip(aligned.gpu_loads(counts), raw.gpu_loads(counts)):
+        assert sorted(a) == pytest.approx(sorted(b))
+    moved_raw = sum(map(len, old.changed_slots(raw)))
+    moved = sum(map(len, old.changed_slots(aligned)))
+    assert moved <= 0.9 * moved_raw  # here 203 of 269; EPLB's packing reshuffles much of a GPU's contents
+
+
+def test_alignment_renumbers_gpus_only_inside_a_node():
+    loads = zipf_loads(2, 32, 1.0, seed=7)
+    old = Placement.from_loads(loads, 8, 8, num_groups=4, num_nodes=2)
+    new = Placement.from_loads([list(reversed(row)) for row in loads], 8, 8, num_groups=4, num_nodes=2)
+    aligned = new.aligned_to(old)
+    for a, b in zip(aligned.phy2log, new.phy2log):
+        assert sorted(a[:20]) == sorted(b[:20]) and sorted(a[20:]) == sorted(b[20:])
+    with pytest.raises(ValueError, match="cannot be aligned"):
+        new.aligned_to(Placement.from_loads(loads, 8, 8))

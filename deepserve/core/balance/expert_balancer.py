@@ -16,8 +16,11 @@ computes the same placement; the algorithm is deterministic):
             counts = all_reduce(device_counters)   # [layers][logical experts] tokens of those n steps
             device_counters.zero_()
         new = balancer.observe(counts, num_steps=n)
-        if new is not None:                        # a reassignment: move new.changed... weights, then switch
+        if new is not None:                        # a reassignment: load the moved slots' weights, then switch
             moves = balancer.last_rebalance.moved_slots; placement = new
+
+A new placement is EPLB's for the window's counts, renumbered (`Placement.aligned_to`) to keep as many slots as
+possible where the old placement had them; `last_rebalance.moved_slots` lists the slots whose weights change.
 
 Counts outside the coming windows may still be handed in (they feed `latest_imbalance`, the gauge for /metrics)
 or left out (None). Memory stays one `[layers][experts]` sum per stretch of steps that the coming windows use
@@ -99,10 +102,14 @@ class ExpertLoadBalancer:
         self.num_redundant_experts = config.redundant_experts_per_gpu * num_gpus
         if initial is None:
             initial = self._place([[1.0] * num_experts for _ in range(num_layers)])
-        elif (initial.num_layers, initial.num_logical_experts, initial.num_gpus) != (num_layers, num_experts,
-                                                                                     num_gpus):
+        elif (initial.num_layers, initial.num_logical_experts, initial.num_gpus, initial.num_nodes) != (
+                num_layers, num_experts, num_gpus, num_nodes):
             raise ValueError(f"initial placement is {initial.num_layers} layers x {initial.num_logical_experts} "
-                             f"experts on {initial.num_gpus} GPUs, not {num_layers} x {num_experts} on {num_gpus}")
+                             f"experts on {initial.num_gpus} GPUs in {initial.num_nodes} nodes, not {num_layers} x "
+                             f"{num_experts} on {num_gpus} in {num_nodes}")
+        elif initial.num_physical_experts != num_experts + self.num_redundant_experts:
+            raise ValueError(f"initial placement has {initial.num_physical_experts} slots per layer, not "
+                             f"{num_experts} experts + {self.num_redundant_experts} redundant")
         self.placement = initial
         self.num_layers, self.num_experts = num_layers, num_experts
         self.step = 0  # steps observed so far
@@ -184,7 +191,7 @@ class ExpertLoadBalancer:
         if not any(any(row) for row in window):  # an idle window says nothing about the loads: keep the placement
             self.last_rebalance = RebalanceReport(due, before, before, ((),) * self.num_layers)
             return None
-        new = self._place(window)
+        new = self._place(window).aligned_to(self.placement)
         moved = tuple(tuple(layer) for layer in self.placement.changed_slots(new))
         self.last_rebalance = RebalanceReport(due, before, tuple(new.imbalance(window)), moved)
         if not any(moved):
