@@ -18,7 +18,9 @@ from deepserve.core.hookspecs import hookimpl
 from deepserve.core.kv.manager import KVCacheManager
 from deepserve.core.kv.prefix_hash import block_hashes
 from deepserve.core.kv.store import BlockStore, StoreStats
-from deepserve.core.kv.tiers import HostTier
+from deepserve.core.kv.store import GuardedStore
+from deepserve.core.kv.tiers import HostTier, KVTiers
+from deepserve.plugins.cache.memory_store import MemoryStore
 from deepserve.core.plugins import make_plugin_manager
 from deepserve.core.request import Request
 from deepserve.core.scheduler.scheduler import Scheduler
@@ -69,6 +71,60 @@ def test_host_tier_evicts_least_recently_used_blocks_past_its_capacity():
     assert host.stats.num_evicted_blocks == 1 and host.stats.num_stored_blocks == 4
     with pytest.raises(ValueError, match="host_cache_bytes"):
         HostTier(0)
+
+
+def block(i: int) -> dict[str, bytes]:
+    return {"csa": bytes([i]) * 30, "snapshot": bytes([i + 1]) * 10}
+
+
+def wait_for_load(tiers: KVTiers):
+    for _ in range(200):
+        done = tiers.poll()
+        if done:
+            return done[0]
+        tiers.wait(0.05)
+    raise AssertionError("the load did not finish")
+
+
+def test_tiers_read_host_then_store_promote_store_hits_and_write_both():
+    store = MemoryStore()
+    host = HostTier(capacity_bytes=10_000)
+    tiers = KVTiers("ns", {"csa": 30, "snapshot": 10}, P, host, GuardedStore(store), ttl_class="agent")
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    tiers.offload(hashes[:4], [block(i) for i in range(4)])  # blocks 0-3 computed: into both tiers
+    assert tiers.flush(5) and len(store._blocks) == 8 and len(host) == 4
+    tiers.offload(hashes[:1], [block(0)])  # again (its GPU page went): the tiers hold it already
+    assert tiers.flush(5) and tiers.store_stats.num_stored_blocks == 4
+    host._blocks.pop(hashes[2])
+    host._blocks.pop(hashes[3])
+    assert tiers.start_load("r", hashes, first=1)  # the GPU holds block 0
+    load = wait_for_load(tiers)
+    assert load.blocks() == [block(1), block(2), block(3)] and len(load.host) == 1
+    assert hashes[2] in host and hashes[3] in host  # the store's blocks were promoted
+    tiers.record(load, 3)
+    stats = tiers.snapshot()
+    assert (stats["host"].num_hit_tokens, stats["store"].num_hit_tokens) == (P, 2 * P)
+    assert stats["store"].num_hit_bytes == 2 * 40 and stats["store"].load_seconds > 0
+    assert not tiers.start_load("s", hashes[:1], first=1)  # nothing past the GPU's blocks: nothing to wait for
+    assert tiers.start_load("t", [b"x" * 32], first=0)  # the host lacks it: the store is asked, and lacks it too
+    assert wait_for_load(tiers).blocks() == []
+    tiers.close()
+
+
+def test_store_writes_in_flight_are_bounded_and_the_rest_dropped():
+    class Slow(MemoryStore):
+        async def put_many(self, items, ttl_class=None):
+            await asyncio.sleep(0.5)
+            return await super().put_many(items, ttl_class)
+
+    tiers = KVTiers("ns", {"csa": 30, "snapshot": 10}, P, None, GuardedStore(Slow(), deadline=5))
+    from deepserve.core.kv import tiers as tiers_module
+
+    for i in range(tiers_module.MAX_WRITES_IN_FLIGHT + 3):
+        tiers.offload([bytes([i % 256, i // 256]) * 16], [block(i % 200)])
+    assert tiers.store_stats.num_dropped_writes == 3
+    tiers.close()
+    assert tiers.store_stats.num_stored_blocks == tiers_module.MAX_WRITES_IN_FLIGHT
 
 
 def test_loaded_pages_are_held_for_their_request_until_it_looks_them_up():
@@ -247,6 +303,17 @@ def test_tier_counters_reach_metrics(tiny_dir, cold, tmp_path):
     assert 'deepserve_kv_tier_stored_blocks_total{tier="host"} 3.0' in text
     assert 'deepserve_kv_tier_hit_tokens_total{tier="store"} 0.0' in text
     assert 'deepserve_kv_tier_errors_total{tier="store"} 0.0' in text
+
+
+def test_serve_flags_reach_the_engine_options():
+    from deepserve.cli import build_parser, engine_options
+
+    args = build_parser().parse_args(["serve", "--host-cache-bytes", "4096", "--kv-store", "redis://h:6379/0",
+                                      "--kv-store-deadline", "0.5", "--kv-store-ttl-class", "agent"])
+    options = engine_options(args)
+    assert (options["host_cache_bytes"], options["kv_store"], options["kv_store_deadline"],
+            options["kv_store_ttl_class"]) == (4096, "redis://h:6379/0", 0.5, "agent")
+    assert "kv_store" not in engine_options(build_parser().parse_args(["serve"]))
 
 
 @pytest.mark.parametrize("options, message", [
