@@ -215,6 +215,33 @@ def test_ec_store_across_a_restart_with_two_shards_lost(tiny_dir, cold, tmp_path
     assert second.engine.snapshot().kv_tiers["store"].num_hit_tokens == 3 * P
 
 
+def test_a_speculative_engine_stores_and_restores_the_drafters_state_too(tmp_path):
+    """With MTP speculation the drafter's window snapshots are a pool of their own; a restarted engine's hits
+    restore them with the main layers', and its greedy tokens are the cold run's."""
+    from pathlib import Path
+
+    import deepserve
+
+    embedded = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
+    rng = random.Random(2)
+    prompt = [rng.randrange(2, 400) for _ in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run():
+        llm = LLM(embedded, dtype="float32", accelerator="cpu", block_size=P, load_plugins=False,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3}, kv_store=f"dir://{tmp_path}")
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        llm.engine.shutdown()
+        return out
+
+    cold = run()
+    pools = {path.parent.name for path in tmp_path.rglob("*.blk")}
+    assert pools == {"layers_csa", "layers_hca", "layers_index", "layers_snapshot", "mtp_layers_snapshot"}
+    warm = run()
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 2 * P
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def test_the_host_tier_serves_blocks_the_gpu_pages_evicted(tiny_dir, cold):
     items, expected, page_bytes = cold
     llm = make_llm(tiny_dir, kv_cache_bytes=4 * page_bytes, host_cache_bytes=2**24)
