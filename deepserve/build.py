@@ -123,7 +123,10 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     graphs = None
     # the built-in transport reads counts on the host each exchange: no CUDA graph can hold a step through it
     if backend.cuda_graphs and not config.enforce_eager and proposer is None and placement is None:
-        graphs = DecodeGraphs(model, cache, max_num_seqs, math.ceil(max_model_len / block_size))
+        graphs = DecodeGraphs(model, cache, max_num_seqs, math.ceil(max_model_len / block_size),
+                              batch_sizes=config.cuda_graph_sizes)
+        if graphs.capture:  # compile and capture every bucket now: no request pays for it
+            graphs.warm_up()
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
     runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs)
     executor = runner

@@ -49,6 +49,10 @@ def engine_options(args: argparse.Namespace) -> dict:
                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                          gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                          enforce_eager=args.enforce_eager)
+    if args.cuda_graph_sizes is not None:
+        engine_kwargs["cuda_graph_sizes"] = args.cuda_graph_sizes
+    if args.batch_invariant:  # else DEEPSERVE_BATCH_INVARIANT, else each backend's default
+        engine_kwargs["batch_invariant"] = True
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class"):  # docs/cache.md
@@ -179,6 +183,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_scale_out_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="launch every decode step's kernels one by one instead of replaying CUDA graphs")
+    serve.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                       help="decode batch sizes captured as CUDA graphs at start-up (default 1 2 4 8 12 16 24 32 "
+                       "48 ... up to --max-num-seqs); larger steps run without a graph")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="outputs that do not depend on the batch (fixed reduction orders; slower on NVIDIA)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
     serve.add_argument("--seed", type=int, default=0)

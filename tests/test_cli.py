@@ -25,3 +25,15 @@ def test_plugins_lists_the_builtin_backends(capsys):
 def test_bad_input_is_one_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--accelerator", "cpu", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cuda_graph_sizes_and_batch_invariant_flags_become_engine_options():
+    from deepserve.cli import build_parser, engine_options
+
+    def options(*flags):
+        return engine_options(build_parser().parse_args(["serve", *flags]))
+
+    got = options("--cuda-graph-sizes", "1", "8", "64", "--batch-invariant")
+    assert got["cuda_graph_sizes"] == [1, 8, 64] and got["batch_invariant"] is True
+    plain = options()
+    assert "cuda_graph_sizes" not in plain and "batch_invariant" not in plain  # the config's defaults, the env

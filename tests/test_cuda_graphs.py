@@ -84,12 +84,15 @@ def test_static_decode_with_every_row_chosen(tmp_path_factory, monkeypatch):
     assert True in seen and False in seen
 
 
-def _check_static_equals_paged(model, seed):
+def _check_static_equals_paged(model, seed, steps=40, batch_sizes=None):
     rng = random.Random(seed)
     num_slots, num_pages = 12, 80
     caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
-    graphs = DecodeGraphs(model, caches[1], max_batch=num_slots, max_pages=6, capture=False)
+    graphs = DecodeGraphs(model, caches[1], max_batch=num_slots, max_pages=6, capture=False, batch_sizes=batch_sizes)
     assert not graphs.capture
+    if batch_sizes is not None:  # made ahead, as the engine does at start-up: no step makes one
+        made = graphs.warm_up(progress=False)
+        assert made == len(graphs.batch_buckets) * len(graphs.page_buckets) and graphs.warm_up(progress=False) == 0
     seqs, next_page = [], 0
     for i in range(num_slots):  # prompts that end just before compression and page boundaries, or anywhere
         n = rng.choice([1, 3, 15, 16, 62, 63, 64, rng.randrange(1, 200)])
@@ -104,8 +107,8 @@ def _check_static_equals_paged(model, seed):
             model(make_batch([prompt], [0], "cpu", snapshots=[_snaps(table, 0, n)]), [st])
             states.append(st)
         seqs.append((table, states))
-    used_buckets = set()
-    for step in range(40):
+    used_buckets, warm = set(), set(graphs._buckets)
+    for step in range(steps):
         which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))  # random subsets, random order
         tokens = [rng.randrange(2, 258) for _ in which]
         logits = []
@@ -128,9 +131,26 @@ def _check_static_equals_paged(model, seed):
                         assert ca.rows.num_rows == cb.rows.num_rows
         used_buckets.update(graphs._buckets)
     _owned_equal(*caches)
+    if batch_sizes is not None:
+        assert used_buckets == warm
+        return
     assert len({rows for rows, _ in used_buckets}) >= 4  # several batch buckets, padded rows among them
     crossed = sum(st.num_tokens // PAGE for _, (st, _) in seqs)
     assert crossed > 0
+
+
+@torch.inference_mode()
+def test_cuda_graph_sizes_are_made_at_start_and_steps_pad_up_to_them(model):
+    """`cuda_graph_sizes` (vLLM's `--cuda-graph-sizes`): `warm_up` makes every (size, table width) bucket before
+    the first step, steps of any size pad up to the next one and give the paged path's bits; sizes past the
+    cache's slots are capped; an empty or non-positive list is refused."""
+    _check_static_equals_paged(model, 4, steps=12, batch_sizes=[1, 5, 40])
+    from deepserve.core.config import EngineConfig
+
+    assert EngineConfig(cuda_graph_sizes=[8, 1, 8]).cuda_graph_sizes == (1, 8)
+    for bad in ([], [0], [2, -1], 4, [True]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            EngineConfig(cuda_graph_sizes=bad)
 
 
 def _snaps(table, start, n):

@@ -388,6 +388,8 @@ class EngineConfig:
     - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
+      `cuda_graph_sizes`: the decode batch sizes captured as CUDA graphs, all at start-up (vLLM's name; default
+      1, 2, 4, 8, 12, 16, 24, 32, 48, ... up to `max_num_seqs`); a step of more sequences runs without a graph.
       `load_plugins`: load third-party plugins from the `deepserve` entry points.
     - `batch_invariant`: True asks every backend for ops whose results do not depend on the batch (the CPU
       reference's exact ops; on NVIDIA its reference ops on the GPU, slow); False for the fastest ones (the CPU
@@ -427,6 +429,7 @@ class EngineConfig:
     grammar_compile_workers: int = 2
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     load_plugins: bool = True
     batch_invariant: bool | None = None
     tensor_parallel_size: int = 1
@@ -456,6 +459,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if isinstance(sizes, (int, str)) or not sizes or any(
+                    isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
+            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

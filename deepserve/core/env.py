@@ -45,6 +45,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "`batch_invariant` is not given. Unset: each backend's default (CPU exact, NVIDIA fast).",
         ),
         EnvVar(
+            "DEEPSERVE_CACHE_DIR",
+            None,
+            "Where deepserve keeps what a restart reuses: compiled kernels (Triton's cache goes to `triton/` under "
+            "it unless `TRITON_CACHE_DIR` is set). Default `$XDG_CACHE_HOME/deepserve` (`~/.cache/deepserve`).",
+        ),
+        EnvVar(
             "DEEPSERVE_MODEL",
             "DEEPINFER_HF_MODEL_DIR",
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",
@@ -97,3 +103,13 @@ def default_model_dir() -> str | None:
         return named
     embedded = Path(__file__).resolve().parents[1] / "assets" / "deepserve-tiny-v4"
     return str(embedded) if (embedded / "config.json").is_file() else None
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """`DEEPSERVE_CACHE_DIR`, else `deepserve` under `XDG_CACHE_HOME` (else `~/.cache`). Not created here."""
+    environ = os.environ if environ is None else environ
+    named = env_value("DEEPSERVE_CACHE_DIR", environ)
+    if named:
+        return Path(named).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "deepserve"

@@ -73,10 +73,12 @@ class DecodeGraphs:
     `max_batch`: the most sequences a step holds (the engine's `max_num_seqs`); `max_pages`: the longest block
     table (the model length over the page size). `capture`: record and replay CUDA graphs (default: when the
     cache is on a CUDA device and the backend declares `cuda_graphs`); False runs the static forward eagerly.
+    `batch_sizes`: the padded batch sizes (vLLM's `--cuda-graph-sizes`; default `batch_buckets`); a step of more
+    sequences than the largest runs without a graph. `warm_up` captures every bucket ahead of the first step.
     """
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: PagedKVCache, max_batch: int, max_pages: int,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, batch_sizes=None) -> None:
         self.model, self.cache = model, cache
         self.device = cache.layers[0].storage.device if cache.layers else model.lm_head.weight.device
         if capture is None:
@@ -84,7 +86,11 @@ class DecodeGraphs:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
         self.capture = capture
-        self.batch_buckets = batch_buckets(min(max_batch, cache.num_slots))
+        most = min(max_batch, cache.num_slots)
+        self.batch_buckets = batch_buckets(most) if batch_sizes is None else \
+            sorted({min(int(s), most) for s in batch_sizes})
+        if not self.batch_buckets:
+            raise ValueError("batch_sizes names no batch size to capture")
         self.page_buckets = page_buckets(max_pages)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None  # the graphs' shared memory pool, made at the first capture
@@ -95,6 +101,22 @@ class DecodeGraphs:
         # a compressed layer, whose state reads the sequence's block table (None: a window-only model)
         self._table_layer = self._streams[0][0] if self._streams else None
         self.capture_seconds = 0.0
+
+    def warm_up(self, progress: bool = True) -> int:
+        """Make (and, with `capture`, compile and capture) every bucket, batch sizes x table widths, so that no
+        step pays for it: the engine calls this at start-up, before it serves. Returns how many were made."""
+        from tqdm.auto import tqdm
+
+        todo = [(rows, pages) for rows in self.batch_buckets for pages in self.page_buckets
+                if (rows, pages) not in self._buckets]
+        began = time.perf_counter()
+        for rows, pages in tqdm(todo, desc="capturing CUDA graphs" if self.capture else "decode buckets",
+                                unit="graph", disable=not progress or not todo):
+            self._make_bucket(rows, pages)
+        if todo:
+            logger.info("%d decode buckets made in %.1f s (%s)", len(todo), time.perf_counter() - began,
+                        "captured" if self.capture else "eager")
+        return len(todo)
 
     def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
         """Whether this step can run as a static forward: one new token per sequence, every sequence paged in

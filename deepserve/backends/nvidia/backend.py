@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import functools
-
 import importlib.util
 import logging
+import os
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from deepserve.backends.reference import ReferenceBackend
+from deepserve.core.env import cache_dir
 from deepserve.core.interfaces import BackendUnavailable
 
 from . import vendor
@@ -91,6 +92,8 @@ class NvidiaBackend(ReferenceBackend):
         # `gemv`): zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
         if fast and triton_available():
+            # compiled kernels persist under deepserve's cache directory, so a restart compiles nothing
+            os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
                 from .triton_ops import attention, decode, elementwise, gemv, indexer, mhc, moe
             except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
