@@ -161,6 +161,11 @@ def expert_placement(config: EngineConfig, world_size: int):
     cfg = read_config(config.model)
     sites = num_moe_sites(config.model)
     table = config.expert_placement
+    if table is None and config.enable_eplb:  # EPLB's own start: its placement for uniform loads
+        from deepserve.core.balance.placement import Placement
+
+        table = Placement.from_loads([[1.0] * cfg.n_routed_experts] * sites, world_size,
+                                     config.num_redundant_experts).phy2log
     if table is None:
         return ExpertPlacement.uniform(sites, cfg.n_routed_experts, world_size, config.num_redundant_experts)
     if isinstance(table, (str, Path)):
@@ -183,8 +188,24 @@ def _lockstep(pm, config: EngineConfig, runner, placement, group):
         raise ValueError(f"expert_transport {config.expert_transport!r} is not a registered transport; "
                          f"available: {sorted(factories)}")
     transport = factories[config.expert_transport](group, placement, rank_experts(runner.model, runner.backend))
-    attach(runner.model, placement, transport)
-    return LockstepExecutor(runner, transport)
+    if not config.enable_eplb:
+        attach(runner.model, placement, transport)
+        return LockstepExecutor(runner, transport)
+    import torch
+
+    from deepserve.core.balance.expert_balancer import EplbConfig, ExpertLoadBalancer
+    from deepserve.distributed.eplb import RankBalancer, as_balance_placement
+    from deepserve.distributed.expert_parallel import moe_sites
+
+    loads = torch.zeros(placement.num_sites, placement.num_logical, dtype=torch.int64,
+                        device=torch.device(runner.backend.device))
+    attach(runner.model, placement, transport, loads)
+    eplb = EplbConfig(config.eplb_window_size, config.eplb_step_interval,
+                      config.num_redundant_experts // placement.world_size)
+    balancer = ExpertLoadBalancer(eplb, placement.num_sites, placement.num_logical, placement.world_size,
+                                  initial=as_balance_placement(placement))
+    return LockstepExecutor(runner, transport, RankBalancer(balancer, moe_sites(runner.model), transport, group,
+                                                            loads))
 
 
 def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:

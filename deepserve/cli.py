@@ -55,7 +55,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         engine_kwargs["batch_invariant"] = True
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
-    for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class"):  # docs/cache.md
+    for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class",  # docs/cache.md
+                 "kv_events_config"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
@@ -65,6 +66,8 @@ def engine_options(args: argparse.Namespace) -> dict:
             engine_kwargs[name] = getattr(args, name)
     if args.enable_expert_parallel:
         engine_kwargs["enable_expert_parallel"] = True
+    if args.enable_eplb:
+        engine_kwargs["enable_eplb"] = True
     return engine_kwargs
 
 
@@ -72,7 +75,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 SCALE_OUT_OPTIONS = ("tensor_parallel_size", "data_parallel_size", "data_parallel_size_local",
                      "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
                      "data_parallel_router", "data_parallel_timeout", "num_redundant_experts", "expert_placement",
-                     "expert_transport")
+                     "expert_transport", "eplb_window_size", "eplb_step_interval")
 
 
 def thinking_default(args: argparse.Namespace) -> bool:
@@ -151,6 +154,10 @@ def _add_scale_out_flags(serve: argparse.ArgumentParser) -> None:
                        help="a phy2log table [sites][physical slots] (EPLB's output) instead of the static one")
     group.add_argument("--expert-transport", default=None, help="the expert-parallel transport plugin "
                        "(default all_to_all)")
+    group.add_argument("--enable-eplb", action="store_true",
+                       help="reassign experts while serving by DeepSeek's EPLB over recent expert loads")
+    group.add_argument("--eplb-window-size", type=int, default=None, help="steps of counts EPLB places by (100)")
+    group.add_argument("--eplb-step-interval", type=int, default=None, help="steps between reassignments (1000)")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -179,6 +186,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="seconds a block-store call may take before it counts as a miss (default 1)")
     serve.add_argument("--kv-store-ttl-class", default=None, choices=["chat", "agent"],
                        help="retention class of the blocks written: chat (7 days, the default) or agent (3 days)")
+    serve.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='publish KV cache events for routers, as vLLM does: \'{"enable_kv_cache_events": true, '
+                       '"endpoint": "tcp://*:5557"}\'')
     serve.add_argument("--no-prefix-caching", action="store_true")
     _add_scale_out_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true",

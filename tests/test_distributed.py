@@ -1,7 +1,8 @@
 """Data-parallel attention with expert-parallel MoE, on CPU with gloo: two rank processes behind the front, on
 the embedded tiny model. Outputs (tokens and logprobs, greedy and seeded) equal one process's bit for bit,
-with redundant experts and a shuffled placement, with prefix caching; aborts reach the right rank; a killed
-rank ends in `RankError` and no rank process is left."""
+with redundant experts, a shuffled placement and EPLB reassignments in the middle of a run, with prefix caching
+and with speculative decoding; aborts reach the right rank; a killed rank ends in `RankError` and no rank
+process is left."""
 
 from __future__ import annotations
 
@@ -76,16 +77,6 @@ def test_abort_reaches_the_rank_that_holds_the_request(ep2):
     assert finished["b"].outputs[0].finish_reason == "length" and len(finished["b"].outputs[0].token_ids) == 4
 
 
-def test_redundant_experts_and_a_shuffled_placement_change_nothing(reference):
-    table = [[3, 7, 0, 5, 1, 6, 2, 4, 7, 0]] * 7  # 10 slots: experts 7 and 0 twice, in no particular order
-    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, expert_placement=table, **OPTIONS)
-    try:
-        assert summary(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference["greedy"]
-        assert summary(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == reference["seeded"]
-    finally:
-        llm.engine.shutdown()
-
-
 def test_a_killed_rank_is_an_error_and_every_rank_stops():
     llm = LLM(data_parallel_size=2, enable_expert_parallel=True, data_parallel_timeout=30, **OPTIONS)
     engine = llm.engine
@@ -109,5 +100,19 @@ def test_speculative_decoding_across_ranks_keeps_one_process_outputs():
         outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want
         assert llm.engine.snapshot().spec.num_verified_tokens > 0  # the MTP block's MoE ran through the ranks too
+    finally:
+        llm.engine.shutdown()
+
+
+def test_replicas_a_shuffled_placement_and_eplb_reassignments_change_no_output(reference):
+    table = [[3, 7, 0, 5, 1, 6, 2, 4, 7, 0]] * 7  # 10 slots: experts 7 and 0 twice, in no particular order
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, expert_placement=table, enable_eplb=True,
+              num_redundant_experts=2, eplb_window_size=2, eplb_step_interval=3, **OPTIONS)  # EPLB every 3 steps
+    try:
+        assert summary(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference["greedy"]
+        assert summary(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == reference["seeded"]
+        moves = llm.engine.num_expert_moves
+        assert moves[0] == moves[1] >= 2  # both ranks moved experts, together, more than once
+        assert llm.engine.expert_imbalance is not None and all(x >= 1.0 for x in llm.engine.expert_imbalance)
     finally:
         llm.engine.shutdown()

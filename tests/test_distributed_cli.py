@@ -21,6 +21,8 @@ def test_scale_out_flags_become_engine_options():
         "data_parallel_start_rank": 2, "data_parallel_address": "10.0.0.1", "data_parallel_rpc_port": 13345,
         "num_redundant_experts": 4}
     assert "data_parallel_size" not in options() and "enable_expert_parallel" not in options()
+    eplb = options("--enable-expert-parallel", "--enable-eplb", "--eplb-window-size", "10", "--eplb-step-interval", "50")
+    assert (eplb["enable_eplb"], eplb["eplb_window_size"], eplb["eplb_step_interval"]) == (True, 10, 50)
 
 
 def test_tensor_parallelism_is_refused_with_the_reason(capsys):

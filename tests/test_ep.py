@@ -155,6 +155,10 @@ def test_expert_parallel_model_on_one_rank_gives_the_single_process_logits(one_r
     ({"data_parallel_size": 4, "data_parallel_size_local": 2}, "need data_parallel_rpc_port"),
     ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer"),
     ({"num_redundant_experts": 2}, "need enable_expert_parallel"),
+    ({"enable_eplb": True}, "need enable_expert_parallel"),
+    ({"enable_expert_parallel": True, "enable_eplb": True, "data_parallel_size": 2, "num_redundant_experts": 3},
+     "must be a multiple of data_parallel_size"),
+    ({"enable_expert_parallel": True, "eplb_step_interval": 0}, "eplb_step_interval must be a positive integer"),
 ])
 def test_impossible_scale_out_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -196,3 +200,13 @@ def test_the_transport_and_router_hooks_register_the_built_ins():
     pm = make_plugin_manager(False)
     assert "all_to_all" in collect_registrations(pm, "deepserve_register_expert_transports")
     assert "least_loaded" in collect_registrations(pm, "deepserve_register_dp_routers")
+
+
+def test_our_table_is_a_balance_placement_value_and_back():
+    from deepserve.distributed.eplb import as_balance_placement
+
+    ours = ExpertPlacement.from_phy2log([[3, 0, 1, 3, 2, 0]] * 2, num_logical=4, world_size=2)
+    value = as_balance_placement(ours)  # deepserve.core.balance validates the three arrays against each other
+    assert value.logcnt[0] == (2, 1, 1, 2) and value.log2phy[0][3] == (0, 3) and value.log2phy[0][1] == (2, -1)
+    back = ExpertPlacement.from_phy2log(value.phy2log, 4, 2)
+    assert torch.equal(back.phy2log, ours.phy2log)

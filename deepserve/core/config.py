@@ -403,6 +403,9 @@ class EngineConfig:
       `data_parallel_size_local` ranks on this one from `data_parallel_start_rank`, all meeting at
       `data_parallel_address:data_parallel_rpc_port` (the rendezvous one port above). `data_parallel_router`:
       the front's policy plugin. `data_parallel_timeout`: seconds a collective, or a rank's start, may take.
+      `enable_eplb`: reassign experts while serving by DeepSeek's EPLB over the counts of the last
+      `eplb_window_size` steps, every `eplb_step_interval` steps (DeepInfer's prefill defaults, 100 / 1,000;
+      `num_redundant_experts` a multiple of the ranks).
       `tensor_parallel_size` > 1 is refused: V4's attention has one KV head.
     """
 
@@ -444,6 +447,9 @@ class EngineConfig:
     num_redundant_experts: int = 0
     expert_placement: Any = None
     expert_transport: str = "all_to_all"
+    enable_eplb: bool = False
+    eplb_window_size: int = 100
+    eplb_step_interval: int = 1000
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -516,8 +522,17 @@ class EngineConfig:
         if isinstance(self.num_redundant_experts, bool) or not isinstance(self.num_redundant_experts, int) \
                 or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}")
-        if not self.enable_expert_parallel and (self.num_redundant_experts or self.expert_placement is not None):
-            raise ValueError("num_redundant_experts and expert_placement need enable_expert_parallel=True")
+        if not self.enable_expert_parallel and (self.num_redundant_experts or self.expert_placement is not None
+                                                or self.enable_eplb):
+            raise ValueError("num_redundant_experts, expert_placement and enable_eplb need enable_expert_parallel=True")
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (steps), got {value!r}")
+        if self.enable_eplb and self.num_redundant_experts % self.data_parallel_size:
+            raise ValueError(f"with enable_eplb, num_redundant_experts ({self.num_redundant_experts}) must be a "
+                             f"multiple of data_parallel_size ({self.data_parallel_size}): EPLB gives every rank "
+                             "the same number of extra slots")
 
     @property
     def local_data_parallel_size(self) -> int:

@@ -93,13 +93,17 @@ class RankExperts:
 
 @dataclasses.dataclass
 class ExpertParallelSite:
-    """One MoE layer's view of the transport (`deepserve.model.moe.ExpertParallelSite`)."""
+    """One MoE layer's view of the transport (`deepserve.model.moe.ExpertParallelSite`). `loads` [sites,
+    logical experts] (on the device), when given, counts the pairs routed to each expert (EPLB's statistics)."""
 
     site: int
     placement: ExpertPlacement
     transport: ExpertTransport
+    loads: torch.Tensor | None = None
 
     def exchange(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.loads is not None:
+            self.loads[self.site] += torch.bincount(ids.reshape(-1), minlength=self.loads.shape[1])
         return self.transport.exchange(self.site, x, self.placement.physical(self.site, ids))
 
 
@@ -108,10 +112,10 @@ def rank_experts(model, backend: Backend) -> RankExperts:
                        torch.device(backend.device))
 
 
-def attach(model, placement: ExpertPlacement, transport: ExpertTransport) -> None:
-    """Give every MoE layer of `model` its site's handle on `transport`."""
+def attach(model, placement: ExpertPlacement, transport: ExpertTransport, loads: torch.Tensor | None = None) -> None:
+    """Give every MoE layer of `model` its site's handle on `transport` (counting into `loads` when given)."""
     sites = moe_sites(model)
     if len(sites) > placement.num_sites:
         raise PlacementError(f"the model has {len(sites)} MoE sites, the placement {placement.num_sites}")
     for i, moe in enumerate(sites):
-        moe.enable_expert_parallel(ExpertParallelSite(i, placement, transport))
+        moe.enable_expert_parallel(ExpertParallelSite(i, placement, transport, loads))

@@ -63,6 +63,8 @@ class DataParallelEngine:
         self.scheduler = Capacity(sum(r.max_num_seqs for r in ready))
         self.rank_snapshots: list[EngineSnapshot] = [m.snapshot_from_wire(r.snapshot) for r in ready]
         self.weight_bytes = [r.weight_bytes for r in ready]
+        self.num_expert_moves = [0] * world_size  # EPLB reassignments each rank has made
+        self.expert_imbalance: list[float] | None = None  # EPLB's latest per-site imbalance (the same on every rank)
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -114,6 +116,9 @@ class DataParallelEngine:
             msg = self._recv()
             if isinstance(msg, m.StepOutputs):
                 self.rank_snapshots[msg.rank] = m.snapshot_from_wire(msg.snapshot)
+                self.num_expert_moves[msg.rank] = msg.num_expert_moves
+                if msg.imbalance is not None:
+                    self.expert_imbalance = msg.imbalance
                 for wire in msg.outputs:
                     out = m.output_from_wire(wire)
                     if out.finished and out.request_id in self._owner:

@@ -91,6 +91,8 @@ class StepOutputs(msgspec.Struct, tag=True):
     rank: int
     outputs: list[WireOutput]
     snapshot: WireSnapshot
+    num_expert_moves: int = 0  # EPLB reassignments this rank has made
+    imbalance: list[float] | None = None  # EPLB's latest per-site imbalance (slowest rank over mean)
 
 
 class RankFailed(msgspec.Struct, tag=True):

@@ -9,7 +9,9 @@ Each iteration under expert parallelism:
 3. if any has work, each steps its engine once. The engine's runner is wrapped in a `LockstepExecutor`, whose
    `execute` ends with the transport's `finish_step`; a rank whose engine launched nothing runs
    `finish_step` alone (its dummy step: it serves the others' experts and sends no rows);
-4. outputs and the counters go to the front.
+4. with EPLB, every rank hands the step's expert counts to its balancer (`eplb.py`), which may reassign
+   experts before the next step;
+5. outputs and the counters go to the front.
 Without expert parallelism the ranks share nothing, and each loop just serves its own engine.
 The engine runs synchronously here (`async_scheduling` off): a step's forward, and so its exchanges, are over
 when `step()` returns, so that no two threads ever issue collectives.
@@ -40,8 +42,9 @@ IDLE_POLL_SECONDS = 0.02
 class LockstepExecutor(ModelExecutor):
     """The runner, ending every step with the transport's `finish_step` (see the module docstring)."""
 
-    def __init__(self, inner: ModelExecutor, transport: ExpertTransport) -> None:
-        self.inner, self.transport = inner, transport
+    def __init__(self, inner: ModelExecutor, transport: ExpertTransport, balancer=None) -> None:
+        """`balancer`: a `deepserve.distributed.eplb.RankBalancer` that the rank loop calls after every step."""
+        self.inner, self.transport, self.balancer = inner, transport, balancer
         self.num_steps = 0
 
     def execute(self, step: StepInput) -> StepOutput:
@@ -113,6 +116,8 @@ class RankLoop:
         outputs = self.engine.step() if has_work else []
         if self.lockstep.num_steps == before:  # nothing launched here: the dummy step
             self.lockstep.transport.finish_step()
+        if self.lockstep.balancer is not None:  # every rank, every step: the same counts, the same reassignment
+            self.lockstep.balancer.after_step()
         return outputs
 
     def _take_messages(self, wait_ms: int) -> list:
@@ -135,8 +140,11 @@ class RankLoop:
         return outputs
 
     def _send_outputs(self, outputs: list) -> None:
+        balancer = self.lockstep.balancer if self.lockstep is not None else None
         self._send(m.StepOutputs(self.rank, [o if isinstance(o, m.WireOutput) else m.output_to_wire(o)
-                                             for o in outputs], m.snapshot_to_wire(self.engine.snapshot())))
+                                             for o in outputs], m.snapshot_to_wire(self.engine.snapshot()),
+                                 balancer.num_moves if balancer is not None else 0,
+                                 balancer.balancer.latest_imbalance() if balancer is not None else None))
 
     def _send(self, msg) -> None:
         try:
