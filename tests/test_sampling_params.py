@@ -41,7 +41,6 @@ def test_greedy(kwargs):
         ("top_k", 2.5),
         ("min_p", -0.1),
         ("min_p", 1.01),
-        ("max_tokens", 0),
         ("max_tokens", -3),
         ("min_tokens", -1),
         ("logprobs", -1),

@@ -64,14 +64,14 @@ async def test_error_statuses_of_every_generation_endpoint(client, path):
 
 
 async def test_unsupported_options_are_named(client):
-    cases = [("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    cases = [("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
              ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
               "messages[0].content[0]"),
              ("/v1/responses", {**BODIES["/v1/responses"], "previous_response_id": "resp_1"}, "previous_response_id"),
              ("/v1/completions", {**BODIES["/v1/completions"], "suffix": "!"}, "suffix"),
              ("/v1/completions", {**BODIES["/v1/completions"], "frobnicate": 1}, "frobnicate"),
-             ("/v1/completions", {**BODIES["/v1/completions"], "n": 2}, "n")]
+             ("/v1/completions", {**BODIES["/v1/completions"], "best_of": 2}, "best_of")]
     for path, body, name in cases:
         status, message, param = await error_of(await client.post(path, json=body))
         assert (status, param) == (400, name) and name in message, (path, body, message)
@@ -203,9 +203,11 @@ FIELD_JUNK = [None, True, -1, 0, 1.5, 2**63, 2**64 - 1, 10**30, -(10**30), 1e308
               "\u202e\u0000\U0001f600", "\ud800",
               [], [None], [1, "a", {}], {}, {"nested": [[[{"deep": [None, {"x": -1e308}]}]]]}]
 FIELDS = {"/v1/chat/completions": ["messages", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-                                   "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "top_k"],
+                                   "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "top_k",
+                                   "logit_bias", "presence_penalty", "bad_words"],
           "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-                              "stream_options", "logprobs", "echo", "top_k", "min_tokens", "stop_token_ids"],
+                              "stream_options", "logprobs", "echo", "top_k", "min_tokens", "stop_token_ids",
+                              "logit_bias", "frequency_penalty", "repetition_penalty", "bad_words"],
           "/v1/responses": ["input", "max_output_tokens", "temperature", "top_p", "stream", "tools", "text",
                             "reasoning", "instructions", "top_logprobs"],
           "/v1/messages": ["messages", "max_tokens", "temperature", "top_p", "top_k", "stream", "system",

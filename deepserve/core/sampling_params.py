@@ -57,7 +57,8 @@ class SamplingParams:
     """Sampling and stopping options of one request (vLLM semantics).
 
     `temperature=0` is greedy (lowest token id on ties); `top_k` 0 or -1, `top_p=1` and `min_p=0` are off.
-    `max_tokens=None` generates until the context is full. `logprobs=k` returns, for every generated token, the
+    `max_tokens=None` generates until the context is full; `max_tokens=0` computes the prompt only (for its
+    `prompt_logprobs`) and finishes with reason "length" and no token. `logprobs=k` returns, for every generated token, the
     sampled token's logprob plus the k most likely tokens' (the same for `prompt_logprobs` over the prompt).
     `stop` strings end generation and are cut from the text unless `include_stop_str_in_output`;
     `stop_token_ids` end it like EOS does. `seed` makes a request's draws reproducible whatever else is batched.
@@ -125,7 +126,7 @@ class SamplingParams:
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         if self.max_tokens is not None:
-            self.max_tokens = _int_field("max_tokens", self.max_tokens, minimum=1)
+            self.max_tokens = _int_field("max_tokens", self.max_tokens, minimum=0)
         self.min_tokens = _int_field("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

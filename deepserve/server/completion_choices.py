@@ -1,6 +1,10 @@
-"""The choices of one `/v1/completions` request: one engine request per prompt (a batch of prompts is submitted
-together), their outputs merged into one stream of `(choice index, output)` in arrival order, and each choice's
-text, logprobs and finish as OpenAI's legacy completions spell them (`Choice`)."""
+"""The choices of one `/v1/completions` request: one engine request per prompt and per `n` (a batch of prompts
+is submitted together), their outputs merged into one stream of `(choice index, output)` in arrival order, and
+each choice's text, logprobs and finish as OpenAI's legacy completions spell them (`Choice`).
+
+With `n` > 1 a prompt's first choice goes first and its siblings follow once it has produced its first token:
+its prompt's full pages are in the prefix cache by then, so the siblings compute only the rest (vLLM's parent
+request fans out the same way, as n engine requests). A seeded request's choice j samples with `seed + j`."""
 
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ from deepserve.core.stop_checker import hold_back_length
 from deepserve.server.admission import Ticket
 from deepserve.server.legacy_logprobs import joined, output_logprobs, prompt_logprobs
 from deepserve.server.metrics import RequestTimer
+from deepserve.server.sampling_options import sibling_params
 from deepserve.server.state import ModelInfo
 
 
 @dataclass(slots=True)
 class Choice:
     """One prompt's choice. `prefix` is the echoed prompt ("" without `echo`); `prompt_only`: `max_tokens: 0`
-    with `echo`, whose one sampled token is not returned."""
+    with `echo`, whose one sampled token is not returned; `sibling`: which of the prompt's `n` choices it is."""
 
     index: int
     text: str | None
@@ -31,6 +36,7 @@ class Choice:
     prefix: str
     prompt_only: bool
     timer: RequestTimer
+    sibling: int = 0
     final: RequestOutput | None = None
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -86,24 +92,35 @@ _DONE = object()
 
 
 async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: SamplingParams, request_id: str,
-                 ticket: Ticket, cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """Every choice's outputs as they come. The engine requests are submitted in one pass of the event loop;
-    leaving early (or an error) closes them all, which aborts what the engine has not finished."""
+                 ticket: Ticket, cache_salt: str | None,
+                 share_prompt: bool = True) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Every choice's outputs as they come. The first choice of each prompt is submitted in one pass of the
+    event loop, its siblings (`n` > 1, when `share_prompt`) once it has its first output; leaving early (or an
+    error) closes them all, which aborts what the engine has not finished."""
     queue: asyncio.Queue = asyncio.Queue()
     one = len(choices) == 1
+    firsts = {c.index - c.sibling: asyncio.Event() for c in choices if c.sibling == 0}
 
     async def pump(choice: Choice) -> None:
+        first = firsts.get(choice.index) if choice.sibling == 0 else None
         try:
+            if choice.sibling and share_prompt:
+                await firsts[choice.index - choice.sibling].wait()
             engine_id = request_id if one else f"{request_id}-{choice.index}"
             ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
-            outs = engine.generate(choice.ids, params, request_id=engine_id, prompt=choice.text,
-                                   cache_salt=cache_salt, views=True)
+            outs = engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=engine_id,
+                                   prompt=choice.text, cache_salt=cache_salt, views=True)
             async with contextlib.aclosing(outs):
                 async for out in outs:
+                    if first is not None:
+                        first.set()
                     queue.put_nowait((choice, out))
             queue.put_nowait(_DONE)
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait(exc)
+        finally:
+            if first is not None:
+                first.set()  # an error or an abort: the siblings go on (and meet the same fate) rather than hang
 
     tasks = [asyncio.create_task(pump(choice)) for choice in choices]
     try:

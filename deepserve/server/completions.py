@@ -25,6 +25,7 @@ from deepserve.server.completion_choices import Choice, finish_of, merged
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
+from deepserve.server.sampling_options import PENALTY_FIELDS, penalty_fields
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
     grammar_failure, response_format_constraint, single, to_spec
@@ -36,10 +37,10 @@ def _is_not(value: int) -> Callable[[Any], bool]:
     return lambda v: v is not None and not (type(v) in (int, float) and v == value)
 
 
-_UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1), "logit_bias": bool,
-                "presence_penalty": _is_not(0), "frequency_penalty": _is_not(0)}
+_UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1)}
 KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
-                          "user", "response_format", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED})
+                          "user", "response_format", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED,
+                          *PENALTY_FIELDS})
 MAX_LOGPROBS = 20
 #: prompts one request may batch (each is its own choice and its own engine request)
 MAX_PROMPTS = 64
@@ -70,18 +71,17 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
     echo = bool(body.get("echo"))
     prompts = _prompts(body.get("prompt"), model)
     max_tokens = body.get("max_tokens", 16)
-    prompt_only = max_tokens == 0  # with echo (validation.py): the engine samples one token, which is dropped
+    prompt_only = max_tokens == 0  # with echo (validation.py): the engine computes the prompt and samples nothing
     longest = max(len(ids) for _, ids in prompts)
     if type(max_tokens) is int and longest + max_tokens > model.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                        f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
                        "completion).", param="max_tokens", code="context_length_exceeded")
-    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None} | penalty_fields(body)
     constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
     spec = to_spec(constraint) if constraint is not None else None
     try:
-        params = SamplingParams(n=body.get("n") if body.get("n") is not None else 1,
-                                max_tokens=1 if prompt_only else max_tokens, logprobs=logprobs,
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                 prompt_logprobs=logprobs if echo else None, structured_outputs=spec, **fields)
     except (ValueError, TypeError) as exc:
         raise sampling_error(exc) from None
@@ -131,12 +131,17 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.name}
-    choices = [Choice(i, text, ids, _echoed(text, ids, model) if echo else "", body.get("max_tokens") == 0,
-                      metrics.timer()) for i, (text, ids) in enumerate(prompts)]
+    n = body.get("n") or 1  # validated: 1 to MAX_N
+    ticket.claim(len(prompts) * n, "choices (prompts times n)", param="n" if n > 1 else "prompt")
+    choices = [Choice(i * n + j, text, ids, _echoed(text, ids, model) if echo else "", body.get("max_tokens") == 0,
+                      metrics.timer(), sibling=j) for i, (text, ids) in enumerate(prompts) for j in range(n)]
     salt = None  # the engine computes every prompt token of a request that wants their logprobs (no holes)
+    # siblings wait for their prompt's pages only where there are full pages to share
+    share = n > 1 and params.prompt_logprobs is None and engine.engine.enable_prefix_caching \
+        and max(len(ids) for _, ids in prompts) > engine.engine.page_size
     sse, failed = None, None
     try:
-        outs = merged(engine, choices, params, head["id"], ticket, salt)
+        outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share)
         async with contextlib.aclosing(outs):
             async for choice, out in outs:
                 choice.seen(out)
@@ -189,8 +194,10 @@ def _finish_timers(choices: list[Choice], reason: str) -> None:
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(len(c.ids) for c in choices)
+    """Each prompt counted once whatever its `n` (as OpenAI and vLLM count), every choice's output."""
+    firsts = [c for c in choices if c.sibling == 0]
+    prompt = sum(len(c.ids) for c in firsts)
     generated = sum(c.num_output_tokens for c in choices)
-    cached = sum(c.final.num_cached_tokens for c in choices if c.final is not None)
+    cached = sum(c.final.num_cached_tokens for c in firsts if c.final is not None)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": cached}}

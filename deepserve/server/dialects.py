@@ -12,6 +12,8 @@ unchanged, bytes and all, when nothing needed rewriting:
 - the `developer` role (OpenAI's name for system instructions to reasoning models, sent by the openai SDK and
   litellm) is `system`, in chat `messages` and Responses `input` (the recipe refused it in chat and read it as
   `user` in Responses).
+- chat `n` > 1 is the server's (`deepserve.server.fanout`: one engine request per choice), so the recipe, which
+  refuses it, reads each choice's request without it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def _max_completion_tokens(body: dict[str, Any]) -> bool:
     return True
 
 
+def _fanned_out_n(body: dict[str, Any]) -> bool:
+    return body.pop("n", None) is not None
+
+
 def _developer_role(key: str) -> Callable[[dict[str, Any]], bool]:
     def rewrite_roles(body: dict[str, Any]) -> bool:
         items = body.get(key)
@@ -84,7 +90,7 @@ def _is_developer(item: Any) -> bool:
 
 #: the rewrites each route applies (each changes the body it is given and says whether it did)
 _REWRITES: dict[str, tuple[Callable[[dict[str, Any]], bool], ...]] = {
-    "chat.completions": (_max_completion_tokens, _chat_template_kwargs, _developer_role("messages")),
+    "chat.completions": (_max_completion_tokens, _chat_template_kwargs, _developer_role("messages"), _fanned_out_n),
     "responses": (_developer_role("input"),),
 }
 

@@ -17,7 +17,7 @@ from aiohttp import web
 from deepserve import __version__
 from deepserve.server.completions import MAX_PROMPTS
 from deepserve.server.config import ServerConfig
-from deepserve.server.validation import MAX_SEED, MAX_STOP_STRINGS
+from deepserve.server.validation import MAX_N, MAX_SEED, MAX_STOP_STRINGS
 
 _STR, _INT, _BOOL, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"}
 _OBJ = {"type": "object"}
@@ -39,6 +39,18 @@ _SAMPLING = {"temperature": _nullable({"type": "number", "minimum": 0, "maximum"
              "top_k": _nullable({"type": "integer", "minimum": -1, "description": "deepserve extension"}),
              "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED - 1}),
              "stream": _nullable(_BOOL)}
+
+_N = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                "description": "choices; the server runs one engine request per choice"})
+# deepserve.server.sampling_options: OpenAI's penalties and logit_bias, vLLM's repetition_penalty and bad_words
+_PENALTIES = {"presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+              "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+              "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0,
+                                               "description": "vLLM extension; 1 is off"}),
+              "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                       "description": "token id -> bias added to its logit"}),
+              "bad_words": _nullable({"type": "array", "items": _TEXT, "description": "vLLM extension"})}
 
 
 # structured output (deepserve.server.structured): exactly one constraint per request, else a 400 naming the fields
@@ -92,9 +104,9 @@ SCHEMAS: dict[str, Any] = {
     "AnthropicError": _object(["type", "error"], {
         "type": {"const": "error"}, "error": _object(["type", "message"], {"type": _STR, "message": _STR})}),
     "ChatCompletionRequest": _object(["model", "messages"], {
-        "model": _STR, "messages": _CHAT_MESSAGES, **_SAMPLING, "stop": _STOP,
+        "model": _STR, "messages": _CHAT_MESSAGES, **_SAMPLING, **_PENALTIES, "stop": _STOP,
         "stream_options": _nullable(_object([], {"include_usage": _BOOL})),
-        "max_tokens": _nullable({"type": "integer", "minimum": 1}), "n": _nullable({"const": 1}),
+        "max_tokens": _nullable({"type": "integer", "minimum": 1}), "n": _N,
         "logprobs": _nullable(_BOOL), "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
         "tools": _nullable({"type": "array", "items": _OBJ}), "tool_choice": {},
         "thinking": _nullable(_object([], {"type": {"enum": ["enabled", "disabled"]}})),
@@ -110,15 +122,14 @@ SCHEMAS: dict[str, Any] = {
                                              "items": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}]},
         **_SAMPLING, "stop": _STOP, "max_tokens": _nullable({
             "type": "integer", "minimum": 0, "description": "0 only with echo: the prompt and its logprobs alone"}),
-        "n": _nullable({"const": 1}), "echo": _nullable(_BOOL),
+        "n": _N, "echo": _nullable(_BOOL),
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
         "stream_options": _nullable(_object([], {"include_usage": _BOOL})), "user": _nullable(_STR),
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "min_tokens": _nullable({"type": "integer", "minimum": 0}), "ignore_eos": _nullable(_BOOL),
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
         "skip_special_tokens": _nullable(_BOOL), "include_stop_str_in_output": _nullable(_BOOL),
-        "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), "logit_bias": _nullable({"maxProperties": 0}),
-        "presence_penalty": _nullable({"const": 0}), "frequency_penalty": _nullable({"const": 0}),
+        "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), **_PENALTIES,
         "response_format": _RESPONSE_FORMAT, **_GUIDED}, extra=False),
     "Completion": _object(["id", "object", "created", "model", "choices", "usage"], {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
@@ -151,6 +162,17 @@ SCHEMAS: dict[str, Any] = {
         "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
         "has_more": _BOOL, "first_id": _STR, "last_id": _STR}),
     "Health": _object(["status"], {"status": {"enum": ["ok", "draining", "engine stopped", "engine stalled"]}}),
+    "TokenizeRequest": {"oneOf": [
+        _object(["prompt"], {"model": _STR, "prompt": _STR, "add_special_tokens": {"const": True},
+                             "return_token_strs": _BOOL}, extra=False),
+        _object(["messages"], {"model": _STR, "messages": _CHAT_MESSAGES, "return_token_strs": _BOOL})],
+        "description": "vLLM's: a completions prompt, or a chat (with any chat field) rendered as chat renders it"},
+    "TokenizeResponse": _object(["count", "max_model_len", "tokens"], {
+        "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
+        "token_strs": {"type": "array", "items": _nullable(_STR)}}),
+    "DetokenizeRequest": _object(["tokens"], {"model": _STR, "tokens": {"type": "array", "items": {
+        "type": "integer", "minimum": 0}}}, extra=False),
+    "DetokenizeResponse": _object(["prompt"], {"prompt": _STR}),
 }
 
 _ERRORS = {"400": "invalid JSON, an invalid or unsupported field (named in the error), a prompt longer than "
@@ -184,6 +206,16 @@ def _generation(summary: str, request: str, response: str, error: str, stream: s
             "responses": responses}
 
 
+def _tokenization(summary: str, request: str, response: str) -> dict:
+    errors = {"400": "an invalid field (named), a token id outside the vocabulary, or a chat the recipe refuses",
+              "404": "unknown model", "413": "request body too large"}
+    responses = {"200": {"description": "the result", "content": {"application/json": _json(response)}}}
+    responses.update({code: {"description": text, "content": {"application/json": _json("Error")}}
+                      for code, text in errors.items()})
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": _json(request)}},
+            "responses": responses}
+
+
 OPERATIONS: dict[str, dict] = {
     "chat": _generation("OpenAI Chat Completions (deepseek-recipe)", "ChatCompletionRequest", "ChatCompletion",
                         "Error", "`chat.completion.chunk` events ending with `data: [DONE]`"),
@@ -207,6 +239,9 @@ OPERATIONS: dict[str, dict] = {
     "health_head": {"summary": "Liveness, headers only (as GET /health, no body)", "responses": {
         "200": {"description": "serving"}, "503": {"description": "draining, stopped or stalled"}}},
     "metrics_head": {"summary": "Prometheus metrics, headers only", "responses": {"200": {"description": "up"}}},
+    "tokenize": _tokenization("Token ids of a prompt or a chat (vLLM's /tokenize)", "TokenizeRequest",
+                              "TokenizeResponse"),
+    "detokenize": _tokenization("Text of token ids (vLLM's /detokenize)", "DetokenizeRequest", "DetokenizeResponse"),
     "openapi": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3.1",
                                                                   "content": {"application/json": {"schema": _OBJ}}}}},
 }

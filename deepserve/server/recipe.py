@@ -12,6 +12,7 @@ explicitly; then the constraint applies after the thinking section (`deepserve.s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from deepserve.server.config import DEFAULT_MAX_TOKENS
 from deepserve.server.dialects import rewrite
 from deepserve.server.usage import OutputUsage
 from deepserve.server.errors import ApiError, sampling_error
+from deepserve.server.sampling_options import penalty_fields, sibling_params
+from deepserve.server.tool_calls import DSML, auto_choice, forced_tools, parallel_allowed, tool_call_spec
 from deepserve.server.structured import THINKING_END, Constraint, after_thinking, anthropic_constraints, \
     body_constraints, recipe_constraint, single, to_spec
 
@@ -55,13 +58,12 @@ class Protocol:
 _MESSAGES = [{"role": "user", "content": "x"}]
 CHAT = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-",
                 {"model": "m", "messages": _MESSAGES}, "response_format",
-                {"frequency_penalty": _nonzero, "presence_penalty": _nonzero, "logit_bias": _nonempty,
-                 "audio": _present, "prediction": _present, "web_search_options": _present,
+                {"audio": _present, "prediction": _present, "web_search_options": _present,
                  "modalities": lambda v: v is not None and v != ["text"]})
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
                      {"model": "m", "input": "x"}, "text.format",
                      {"previous_response_id": _present, "conversation": _present, "prompt": _present,
-                      "background": _nonempty, "frequency_penalty": _nonzero, "presence_penalty": _nonzero})
+                      "background": _nonempty})
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
                     {"model": "m", "messages": _MESSAGES, "max_tokens": 1}, "output_format",
                     {"container": _present, "mcp_servers": _nonempty})
@@ -80,6 +82,15 @@ class Prepared:
     processor: dr.StreamProcessor
     usage: OutputUsage
     constraint_field: str | None = None
+    fork: Callable[[], tuple[dr.StreamProcessor, OutputUsage]] | None = None
+    n: int = 1
+
+    def sibling(self, index: int) -> Prepared:
+        """Choice `index` of an `n` > 1 request: its own stream processor and usage, the same prompt, and
+        `seed + index` when seeded (`deepserve.server.completion_choices.sibling_params`)."""
+        processor, usage = self.fork()
+        return dataclasses.replace(self, processor=processor, usage=usage,
+                                   params=sibling_params(self.params, index))
 
 
 class RecipeCodec:
@@ -97,6 +108,8 @@ class RecipeCodec:
         self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
         self.thinking_end_ids = self.tokenizer.encode(THINKING_END) if self.tokenizer else []
+        dsml = self.tokenizer.encode(DSML) if self.tokenizer else []
+        self.dsml_id = dsml[0] if len(dsml) == 1 else None  # V4's tool-call marker, one special token
         self.unavailable = self._probe()
 
     def _options(self, default_thinking_mode: bool) -> dr.ConversionOptions:
@@ -122,16 +135,22 @@ class RecipeCodec:
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
         if protocol is MESSAGES and body.get("max_tokens") is None:  # required by Anthropic's API and our document
             raise ApiError(400, "'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
+        n = (body.get("n") or 1) if protocol is CHAT else 1  # validated: 1 to MAX_N; the rewrite drops it
         raw, body = rewrite(protocol.name, raw, body)
+        forced = forced_tools(protocol.name, body)
         request = _recipe(lambda: protocol.request_type(raw), protocol, body)
         echo = _recipe(request.echo, protocol, body) if protocol is RESPONSES else None
         default_thinking = self.thinking_default(protocol)
         tool_map = _recipe(lambda: request.namespace_tool_map(self.options[default_thinking]), protocol, body) \
             if protocol is RESPONSES else None
-        conv = _recipe(lambda: request.convert(self.options[default_thinking]), protocol, body)
-        constraint = _constraint(protocol, conv, body)
+        if forced is None:
+            conv = _recipe(lambda: request.convert(self.options[default_thinking]), protocol, body)
+            tool = None
+        else:
+            conv, tool = self._forced_tool_conversion(protocol, raw, body, forced)
+        constraint = _constraint(protocol, conv, body, tool)
         spec = to_spec(constraint) if constraint is not None else None
-        if constraint is not None and conv.conversation.thinking_mode and default_thinking:
+        if constraint is not None and conv.conversation.thinking_mode and default_thinking and forced is None:
             conv = self._constrained_conversion(protocol, raw, body)
         if constraint is not None and conv.conversation.thinking_mode:  # asked for: constrained after the thinking
             spec = after_thinking(spec, self.thinking_end_ids, constraint.field)
@@ -142,17 +161,21 @@ class RecipeCodec:
         max_tokens = self._max_tokens(conv, protocol, body, len(ids), model.max_model_len)
         params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
-        generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
-        if echo is not None:
-            generator = generator.with_echo(echo)
-        if tool_map:
-            generator = generator.with_namespace_tool_map(tool_map)
-        processor = dr.StreamProcessor(generator, conv.parsing_options, self.tokenizer)
-        stage = conv.parsing_options.thinking_initial_stage
-        end_id = self.thinking_end_ids[0] if len(self.thinking_end_ids) == 1 else None
-        usage = OutputUsage(stage is not None and stage.starts_in_reasoning(), end_id)
+
+        def fork() -> tuple[dr.StreamProcessor, OutputUsage]:
+            generator = protocol.request_type.chunk_generator(conv, request_id, self.model_name)
+            if echo is not None:
+                generator = generator.with_echo(echo)
+            if tool_map:
+                generator = generator.with_namespace_tool_map(tool_map)
+            stage = conv.parsing_options.thinking_initial_stage
+            end_id = self.thinking_end_ids[0] if len(self.thinking_end_ids) == 1 else None
+            return (dr.StreamProcessor(generator, conv.parsing_options, self.tokenizer),
+                    OutputUsage(stage is not None and stage.starts_in_reasoning(), end_id))
+
+        processor, usage = fork()
         return Prepared(protocol, request_id, ids, params, conv.stream, processor, usage,
-                        constraint.field if constraint is not None else None)
+                        constraint.field if constraint is not None else None, fork, n)
 
     def _max_tokens(self, conv: dr.ConversationRequest, protocol: Protocol, body: dict[str, Any],
                     num_prompt_tokens: int, max_model_len: int) -> int:
@@ -167,6 +190,27 @@ class RecipeCodec:
         API thinks only when the request asks (`thinking`), whatever the server's default."""
         return False if protocol is MESSAGES else self.default_thinking_mode
 
+    def _forced_tool_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any],
+                                forced: tuple[str, ...]) -> tuple[dr.ConversationRequest, Constraint]:
+        """A request whose `tool_choice` forces a call: converted without thinking unless it asks for thinking
+        itself (as constrained requests are), its prompt then ending inside the call block the grammar
+        continues. The recipe refuses forced calls with thinking, so a request that asks for thinking is converted
+        as `auto` and the grammar, opening the block itself, applies after `</think>`."""
+        parallel = parallel_allowed(protocol.name, body)
+        try:
+            conv = _recipe(lambda: protocol.request_type(raw).convert(self.options[False]), protocol, body)
+            open_block = False
+        except ApiError as error:
+            if "thinking" not in error.message.lower():  # the recipe's refusal of a forced call while thinking
+                raise
+            auto = json.dumps({**body, "tool_choice": auto_choice(protocol.name)}, ensure_ascii=False).encode()
+            conv = _recipe(lambda: protocol.request_type(auto).convert(self.options[True]), protocol, body)
+            open_block = True
+        found = conv.inference_options.output_constraint
+        tools = json.loads(found.schema) if found is not None and found.kind.startswith("tool_call") else []
+        spec = tool_call_spec(tools, forced, self.dsml_id, parallel, open_block)
+        return conv, Constraint("tool_choice", {"grammar": spec.spec, "backend": spec.backend})
+
     def _constrained_conversion(self, protocol: Protocol, raw: bytes, body: dict[str, Any]) -> dr.ConversationRequest:
         """The conversion of a constrained request whose thinking came from the server's default: without thinking
         (a constrained answer then starts at once); a request that asked for thinking keeps it."""
@@ -174,11 +218,13 @@ class RecipeCodec:
         return _recipe(lambda: request.convert(self.options[False]), protocol, body)
 
 
-def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str, Any]) -> Constraint | None:
+def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str, Any],
+                tool: Constraint | None = None) -> Constraint | None:
     """The one constraint of a request: the recipe's `output_constraint` (`response_format`, `text.format`),
-    Anthropic's output format (which the recipe does not carry), or the `structured_outputs` / `guided_*`
-    extension fields. Tool-call constraints the recipe reports are not enforced."""
-    found = [recipe_constraint(conv.inference_options.output_constraint, protocol.constraint_field)]
+    Anthropic's output format (which the recipe does not carry), the `structured_outputs` / `guided_*`
+    extension fields, or a forced tool call (`tool`, `deepserve.server.tool_calls`). The tool-call constraints
+    the recipe reports for `auto` are not enforced: the model chooses, the recipe parses what it writes."""
+    found = [tool, recipe_constraint(conv.inference_options.output_constraint, protocol.constraint_field)]
     if protocol is MESSAGES:
         found += anthropic_constraints(body)
     return single(found + body_constraints(body))
@@ -187,14 +233,15 @@ def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str
 def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[str, Any],
                      structured_outputs: GrammarSpec | None = None) -> SamplingParams:
     """The recipe's options plus what it does not carry: `top_k` on every protocol, `seed` on Responses and
-    Messages (validated with the other routes' fields: `deepserve.server.validation`)."""
+    Messages (validated with the other routes' fields: `deepserve.server.validation`), and the penalties,
+    `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none)."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
     try:
         return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
                               top_p=1.0 if options.top_p is None else options.top_p,
                               top_k=0 if top_k is None else top_k, seed=seed, max_tokens=max_tokens,
-                              logprobs=logprobs, structured_outputs=structured_outputs)
+                              logprobs=logprobs, structured_outputs=structured_outputs, **penalty_fields(body))
     except ValueError as exc:
         raise sampling_error(exc) from None
 

@@ -10,12 +10,14 @@ from aiohttp import web
 
 from deepserve.server.completions import handle_completions
 from deepserve.server.errors import ApiError
+from deepserve.server.fanout import serve_choices
 from deepserve.server.generation import serve_prepared
 from deepserve.server.http import json_type, read_json_object
 from deepserve.server.metrics import CONTENT_TYPE
 from deepserve.server.openapi import build_openapi
 from deepserve.server.pool import run_in_pool
 from deepserve.server.recipe import CHAT, MESSAGES, RESPONSES, Protocol
+from deepserve.server.tokenize import detokenize, tokenize
 from deepserve.server.state import ADMISSION, CONFIG, ENGINE, METRICS, MODEL, PLUGIN_ROUTES, RECIPE, ModelInfo
 from deepserve.server.validation import validate
 from deepserve.server.watchdog import WATCHDOG
@@ -40,7 +42,7 @@ async def _recipe_endpoint(request: web.Request, protocol: Protocol) -> web.Stre
         require_model(body, model.name)
         validate(protocol.name, body)
         prepared = await run_in_pool(request.app, request.app[RECIPE].prepare, protocol, raw, body, model)
-        return await serve_prepared(request, prepared, ticket)
+        return await (serve_choices if prepared.n > 1 else serve_prepared)(request, prepared, ticket)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -130,6 +132,8 @@ ROUTES = (
     Route("GET", "/metrics", metrics, "metrics"),
     Route("HEAD", "/metrics", metrics, "metrics_head"),
     Route("GET", "/openapi.json", openapi, "openapi"),
+    Route("POST", "/tokenize", tokenize, "tokenize"),  # vLLM's, outside /v1/ as vLLM serves them
+    Route("POST", "/detokenize", detokenize, "detokenize"),
 )
 
 

@@ -72,7 +72,8 @@ class ModelInfo:
     def fit_params(self, params: SamplingParams) -> SamplingParams:
         """Keep valid sampling parameters inside what the engine's tensors hold (int64): a `top_k` past the
         vocabulary means "all tokens" (0), a seed of 2**63 or more is the same 64 bits as a signed int64; a
-        stop token id outside the vocabulary can never be sampled (400). The engine thread dies on these today."""
+        stop token id outside the vocabulary can never be sampled (400). The engine thread dies on these today.
+        A `logit_bias` token outside the vocabulary is a 400 too; `bad_words` are tokenized here."""
         if params.top_k > self.vocab_size:
             params.top_k = 0
         if params.seed is not None and params.seed >= 2**63:
@@ -81,6 +82,14 @@ class ModelInfo:
         if bad:
             raise ApiError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                            param="stop_token_ids")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param="logit_bias")
+        if params.bad_words:
+            if self.encoder is None:
+                raise ApiError(400, "'bad_words' needs a tokenizer and this model has none", param="bad_words")
+            params.update_from_tokenizer(self.encoder.encode)
         return params
 
 

@@ -5,9 +5,11 @@ for chat, Responses and Messages; `deepserve.server.completions` for completions
 routes read is judged once, by one rule, with one message and `param`:
 
 - the sampling fields (`seed` in [0, 2**63), `temperature` in [0, 2], `top_p` in (0, 1], `top_k` >= -1;
-  deepseek-recipe's ranges for chat, now every route's), `n` (1 only), `stream` (a boolean), the output
+  deepseek-recipe's ranges for chat, now every route's), `n` (1 to `MAX_N`: the server fans a request out into
+  n engine requests), `stream` (a boolean), the output
   limit (`max_tokens`, `max_completion_tokens`, `max_output_tokens`: at least 1; completions also take
-  `max_tokens: 0` with `echo: true`, the prompt's logprobs alone, as lm-eval's loglikelihood asks), stop strings (`stop`,
+  `max_tokens: 0` with `echo: true`, the prompt's logprobs alone, as lm-eval's loglikelihood asks), the penalties,
+  `logit_bias` and `bad_words` (`deepserve.server.sampling_options`), stop strings (`stop`,
   Anthropic's `stop_sequences`: at most `MAX_STOP_STRINGS` non-empty strings); each route checks the ones
   it reads (`ROUTE_FIELDS`);
 - image, audio and file parts, which the model cannot read (deepseek-recipe would put a placeholder such as
@@ -26,6 +28,8 @@ from deepserve.server.http import json_type
 #: stop strings a request may give (deepseek-recipe's limit for chat and Messages, now every route's)
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63  # exclusive: seeds are signed 64-bit integers >= 0
+#: choices one request may ask for (`n`): each is its own engine request, and counts as one against the 429 bound
+MAX_N = 128
 
 
 def _is_int(value: Any) -> bool:
@@ -57,9 +61,8 @@ def _check_top_k(name: str, value: Any) -> None:
 
 
 def _check_n(name: str, value: Any) -> None:
-    if value != 1 or not _is_int(value):
-        raise ApiError(400, f"'{name}' must be 1: this server returns one choice per request, got {value!r:.40}",
-                       param=name, code="unsupported")
+    if not (_is_int(value) and 1 <= value <= MAX_N):
+        raise ApiError(400, f"'{name}' must be an integer from 1 to {MAX_N}, got {value!r:.40}", param=name)
 
 
 def _check_boolean(name: str, value: Any) -> None:
@@ -87,18 +90,46 @@ def _check_stop(name: str, value: Any, allow_string: bool = True) -> None:
             raise ApiError(400, f"'{where}' must be a non-empty string, got {got}", param=where)
 
 
+def _check_penalty(name: str, value: Any) -> None:
+    if not (_is_number(value) and -2 <= value <= 2):
+        raise ApiError(400, f"'{name}' must be a number from -2 to 2, got {value!r:.40}", param=name)
+
+
+def _check_repetition_penalty(name: str, value: Any) -> None:
+    if not (_is_number(value) and 0 < value < float("inf")):
+        raise ApiError(400, f"'{name}' must be a number greater than 0 (1: off), got {value!r:.40}", param=name)
+
+
+def _check_logit_bias(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'{name}' must be an object of token ids to numbers, got {json_type(value)}", param=name)
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"'{name}' keys must be token ids, got {key!r:.40}", param=name)
+        if not (_is_number(bias) and -100 <= bias <= 100):
+            raise ApiError(400, f"'{name}[{key}]' must be a number from -100 to 100, got {bias!r:.40}", param=name)
+
+
+def _check_bad_words(name: str, value: Any) -> None:
+    if not (isinstance(value, list) and all(isinstance(w, str) and w for w in value)):
+        raise ApiError(400, f"'{name}' must be an array of non-empty strings", param=name)
+
+
 RULES: dict[str, Callable[[str, Any], None]] = {
+    "presence_penalty": _check_penalty, "frequency_penalty": _check_penalty,
+    "repetition_penalty": _check_repetition_penalty, "logit_bias": _check_logit_bias, "bad_words": _check_bad_words,
     "seed": _check_seed, "temperature": _check_temperature, "top_p": _check_top_p, "top_k": _check_top_k,
     "n": _check_n, "stream": _check_boolean, "max_tokens": _check_limit, "max_completion_tokens": _check_limit,
     "max_output_tokens": _check_limit, "stop": _check_stop,
     "stop_sequences": lambda name, value: _check_stop(name, value, allow_string=False),
 }
 _SAMPLING = ("seed", "temperature", "top_p", "top_k", "stream")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words")
 #: the shared fields each route reads (the names are each protocol's own)
 ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
-    "chat.completions": (*_SAMPLING, "n", "stop", "max_tokens", "max_completion_tokens"),
-    "completions": (*_SAMPLING, "n", "stop", "max_tokens"),
-    "responses": (*_SAMPLING, "max_output_tokens"),
+    "chat.completions": (*_SAMPLING, *_PENALTIES, "n", "stop", "max_tokens", "max_completion_tokens"),
+    "completions": (*_SAMPLING, *_PENALTIES, "n", "stop", "max_tokens"),
+    "responses": (*_SAMPLING, *_PENALTIES, "max_output_tokens"),
     "messages": (*_SAMPLING, "stop_sequences", "max_tokens"),
 }
 #: content-part types that carry what this text-only model cannot read, per route: (what, the part's type)

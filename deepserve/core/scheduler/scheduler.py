@@ -260,6 +260,12 @@ class Scheduler:
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
             if not chunk.samples:
+                if request.sampling_params.max_tokens == 0 and request.status is RequestStatus.RUNNING \
+                        and chunk.start + len(chunk.token_ids) >= request.num_tokens:  # its prompt's last chunk
+                    request.finish("length")
+                    self.running.remove(request)
+                    self._retire(request)
+                    finished.append(request)
                 continue
             request.num_pending_tokens -= 1 + k
             if any(self._append_token(request, token) for token in new_tokens):  # stops at the first that ends it
@@ -396,7 +402,8 @@ class Scheduler:
         num_drafts = num_new - len(tokens)  # _cap_drafts made the budget hold all of them
         del spec[num_drafts:]
         tokens += tuple(spec)
-        samples = end == request.num_tokens_with_pending + len(spec)
+        # max_tokens=0: the prompt alone (its logprobs); the update finishes the request once it is computed
+        samples = end == request.num_tokens_with_pending + len(spec) and request.sampling_params.max_tokens != 0
         relative = request.num_inflight_verifies > 0  # where it starts depends on drafts not yet judged
         forced = num_drafts > 0 and request.spec_forced and DRAFT_PLACEHOLDER not in spec
         plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts, relative,
