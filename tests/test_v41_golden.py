@@ -15,7 +15,8 @@ from deepserve.model.v41 import load_v41
 from deepserve.model.v41 import model as v41_model
 from deepserve.tools import golden_check
 
-GOLDEN = Path(__file__).parent / "golden" / "v41" / "tiny_a"
+GOLDENS = Path(__file__).parent / "golden" / "v41"
+GOLDEN = GOLDENS / "tiny_a"
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,24 @@ def failing(rep: golden_check.Report) -> set[str]:
     return {r.check for r in rep.rows if not r.ok}
 
 
-def test_golden_directory_passes_every_check(model):
-    rep = golden_check.run(GOLDEN, "all", model=model)
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_golden_directory_passes_every_check(name):
+    root = GOLDENS / name
+    torch.set_num_threads(1)
+    m = load_v41(root / "tiny")  # sizes and roles from the directory's own config
+    rep = golden_check.run(root, "all", model=m)
     assert rep.ok, rep.table()
     names = {r.check for r in rep.rows}
-    # every block, both phases, the selections, Engram ids, DSpark and the end-to-end checks were made
-    for j in range(model.cfg.n_layers):
+    # every block, both phases, every index source's selections, Engram ids, DSpark and the end-to-end checks
+    for j in range(m.cfg.n_layers):
         assert f"forced prefill L{j} relRMS" in names and f"forced decode L{j} relRMS" in names
-    for j in model.cfg.engram_layer_ids:
-        assert f"engram ids prefill L{j}" in names
-    assert {"topk rows L2 (rows differing)", "candidates L4 (rows differing)", "dspark drafts (stable steps differing)",
-            "e2e decode logprobs (worst |d|/limit)", "e2e greedy tokens (stable steps differing)"} <= names
+    for j in m.cfg.engram_layer_ids:
+        assert f"engram ids prefill L{j}" in names and f"engram ids decode L{j}" in names
+    for j in m.cfg.index_source_layers:
+        assert f"topk rows L{j} (rows differing)" in names
+    assert {f"candidates L{m.cfg.candidate_source_layer} (rows differing)", "dspark drafts (stable steps differing)",
+            "dspark logits max|d|", "e2e decode logprobs (worst |d|/limit)",
+            "e2e greedy tokens (stable steps differing)"} <= names
 
 
 def test_exact_envelope_also_holds(model):

@@ -150,3 +150,28 @@ def test_refusals_say_why(model):
     model.forward([3, 4, 5], state)
     with pytest.raises(ValueError, match="chunked prefill"):
         model.forward([6, 7], state)
+
+
+def test_engram_tables_can_stay_in_host_memory(model):
+    placed = load_v41(TINY, engram_device="cpu")
+    tables = [blk.engram.table for blk in placed.layers if blk.engram is not None]
+    assert len(tables) == len(placed.cfg.engram_layer_ids)
+    assert all(t.weight.device.type == "cpu" and t.weight.dtype == torch.float8_e4m3fn for t in tables)
+    ids = list(range(3, 20))
+    a = placed.forward(ids, placed.make_state()).logits
+    b = model.forward(ids, model.make_state()).logits
+    assert torch.equal(a, b)
+
+
+def test_reference_spelling_is_read_when_the_hf_one_is_unusable(tmp_path):
+    import shutil
+
+    d = tmp_path / "tiny"
+    shutil.copytree(TINY, d)
+    cfg = hf_config()
+    del cfg["text_config"]["hc_mult"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert V41Config.from_dir(d) == V41Config.from_hf(hf_config())
+    (d / "inference" / "config.json").unlink()
+    with pytest.raises(V41ConfigError, match="hc_mult"):
+        V41Config.from_dir(d)

@@ -91,6 +91,8 @@ class Golden:
         lf = self.doc.get("layer_forced") or {}
         self.env_layers = {k: lf.get("envelope_" + k) for k in ("all", "exact")}
         self.env_logits = {"all": lf.get("logits_max_abs_all"), "exact": lf.get("logits_max_abs_exact")}
+        self.env_scalar = {(k, mode): lf.get(f"{k}_max_abs_{mode}") for k in ("dspark_logits", "confidence_logit")
+                           for mode in ("all", "exact")}
 
     def layer_limit(self, mode: str, kind: str, j: int) -> tuple[float, str]:
         env = self.env_layers.get(mode)
@@ -104,6 +106,13 @@ class Golden:
         e = self.env_logits.get(mode)
         if e is None:
             return 2 * DOC_ENVELOPE["logits"], "doc envelope"
+        return 2 * float(e) + 1e-3, ""
+
+    def scalar_limit(self, key: str, mode: str) -> tuple[float, str]:
+        """DSpark logits / confidence logits: 2 x the directory's forced-run envelope, else the format's."""
+        e = self.env_scalar.get((key, mode))
+        if e is None:
+            return 2 * DOC_ENVELOPE[key], "doc envelope"
         return 2 * float(e) + 1e-3, ""
 
 
@@ -212,17 +221,18 @@ def check_prompt(model, g: Golden, i: int, ref: dict, mode: str, rep: Report, en
         stable = env.get("dspark_drafts_stable") or [True] * gen
         want_logits = g.logits.get(f"p{i}.dspark_logits")
         want_conf = g.layers.get(f"p{i}.dspark_confidence_logit")
-        bad = [k for k, (_, d) in enumerate(steps) if stable[k] and d.tokens != ref["decode_steps"][k]["dspark"]["tokens"]]
+        bad = [k for k, (_, d) in enumerate(steps)
+               if stable[k] and d.tokens != ref["decode_steps"][k]["dspark"]["tokens"]]
         rep.add("dspark drafts (stable steps differing)", i, len(bad), 0, note=f"{sum(stable)} stable steps"
                 + (f"; differ at {bad}" if bad else ""))
         if want_logits is not None:
             got = torch.stack([d.logits for _, d in steps])
-            rep.add("dspark logits max|d|", i, float((got - want_logits).abs().max()),
-                    2 * DOC_ENVELOPE["dspark_logits"], note="doc envelope")
+            lim, note = g.scalar_limit("dspark_logits", mode)
+            rep.add("dspark logits max|d|", i, float((got - want_logits).abs().max()), lim, note=note)
         if want_conf is not None:
             got = torch.stack([d.confidence_logit for _, d in steps])
-            rep.add("dspark confidence logit max|d|", i, float((got - want_conf).abs().max()),
-                    2 * DOC_ENVELOPE["confidence_logit"], note="doc envelope")
+            lim, note = g.scalar_limit("confidence_logit", mode)
+            rep.add("dspark confidence logit max|d|", i, float((got - want_conf).abs().max()), lim, note=note)
 
     if end_to_end:
         check_end_to_end(model, g, i, ref, rep)
@@ -283,10 +293,13 @@ def check_config(root: Path, rep: Report) -> None:
     tiny = root / "tiny"
     hf, ref = tiny / "config.json", tiny / "inference" / "config.json"
     if hf.is_file() and ref.is_file():
-        a = V41Config.from_hf(json.loads(hf.read_text()))
-        b = V41Config.from_reference(json.loads(ref.read_text()))
-        same = a == b
-        rep.add("config: both spellings agree", -1, 0 if same else 1, 0, same)
+        try:
+            same = V41Config.from_hf(json.loads(hf.read_text())) == \
+                V41Config.from_reference(json.loads(ref.read_text()))
+            note = ""
+        except ValueError as exc:
+            same, note = False, str(exc)[:120]
+        rep.add("config: both spellings agree", -1, 0 if same else 1, 0, same, note)
 
 
 def run(root: Path, mode: str = "all", model=None, prompts=None, end_to_end: bool = True) -> Report:

@@ -56,6 +56,22 @@ SHAPES = {
         dspark_block_size=5, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
         prompt_lens=(21, 53), seed=0, prompt_seed=1234,
     ),
+    # several ratio-1 Reindex layers (6, 8) inside one candidate source's blocks, a 16-token window, one DSpark
+    # block (its first block is also its last), 3-grams, heads wider than the hidden size
+    "tiny_b": dict(
+        vocab_size=512, dim=64, moe_inter_dim=64, n_layers=10, n_mtp_layers=1, n_heads=2,
+        n_routed_experts=4, n_activated_experts=2, dspark_n_routed_experts=4, dspark_n_activated_experts=2,
+        q_lora_rank=64, head_dim=128, rope_head_dim=32, o_groups=2, o_lora_rank=64, window_size=16,
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 1, 1, 0), kv_source_layers=(2, 4),
+        index_source_layers=(2, 4, 6, 8), candidate_source_layer=4, candidate_topk_blocks=2, candidate_block_size=8,
+        index_n_heads=2, index_head_dim=64, index_topk=8,
+        compress_rope_theta=160000.0, rope_theta=10000.0, original_seq_len=32, rope_factor=4.0,
+        beta_fast=32, beta_slow=1, route_scale=1.5, swiglu_limit=10.0, score_func="sqrtsoftplus",
+        engram_layer_ids=(1, 4), engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
+        engram_vocab_size=61, engram_pad_id=2,
+        dspark_block_size=5, dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=32,
+        prompt_lens=(12, 40), seed=1, prompt_seed=4321,
+    ),
 }
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
 NOISE = "<｜dspark_noise｜>"
@@ -210,8 +226,6 @@ def to_checkpoint(ref, testing, model) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters(remove_duplicate=False):
             if name.startswith("mtp.") and (name.split(".")[2] in ("embed", "head")):
                 continue  # tied to the backbone's embed/head
-            if name.endswith(".scale") and p.dtype == torch.float8_e8m0fnu and name.rsplit(".", 1)[0] + ".weight" in out:
-                continue
             mod = name.rsplit(".", 1)[0]
             if p.dtype == torch.float8_e4m3fn:
                 out[name] = p.detach().clone()
@@ -287,7 +301,7 @@ def write_checkpoint(out_dir: Path, state: dict[str, torch.Tensor], hf: dict, re
         weight_map.update({k: fname for k in keys})
     total = sum(t.numel() * t.element_size() for t in state.values())
     (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=0) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------- top-k rule
@@ -452,7 +466,7 @@ class Driver:
     def snapshot(self):
         r = self.rec
         return {"x_out": dict(r.x_out), "pre_out": dict(r.pre_out), "topk": dict(r.topk), "cand": dict(r.cand),
-                "hash": r.hash}
+                "hash": r.hash, "golden": None}
 
     def run_sequence(self, prompt: list[int], greedy: list[int] | None = None):
         """Prompt prefill, then GEN decode steps fed `greedy` (or this run's own argmax when None)."""
@@ -462,6 +476,7 @@ class Driver:
         for k in range(GEN):
             fed = tokens[k] if greedy is None else greedy[k]
             logits, spec, cap = self.decode(fed, len(prompt) + k)
+            cap["golden"] = int(logits.argmax())
             steps.append({"logits": logits, "spec": spec, "cap": cap, "fed": fed})
             if greedy is None and k + 1 < GEN:
                 tokens.append(int(logits.argmax()))
@@ -491,7 +506,16 @@ class Driver:
                 last = len(self.model.layers) - 1
                 hidden = self.model.layers[last].hc_pre(x_out[last], pre_out[last])
                 logits = torch.nn.functional.linear(self.model.norm(hidden)[0].float(), self.model.head.weight)
-            outs.append({"x_out": x_out, "pre_out": pre_out, "logits": logits, "taps": taps})
+                spec = None
+                if len(self.model.mtp) and taps:
+                    main_hidden = torch.cat(taps, dim=-1)
+                    if pos == 0:
+                        assert self.model.forward_spec(inp[:, -1], main_hidden, 0) is None
+                    else:
+                        golden = torch.tensor([rec["golden"]])
+                        ids, dl, conf = self.model.forward_spec(golden, main_hidden, pos)
+                        spec = {"tokens": ids[0, 1:].tolist(), "logits": dl[0].float(), "conf": conf[0].float()}
+            outs.append({"x_out": x_out, "pre_out": pre_out, "logits": logits, "taps": taps, "spec": spec})
         return outs
 
 
@@ -547,6 +571,8 @@ def main(argv=None) -> int:
     refs, ties_all = [], {}
     members = [m for m in a.members.split(",") if m]
     env_layer = {"prefill": {}, "decode": {}}
+    sharpness: dict[str, dict] = {}
+    seed_consistency = []
 
     for i, prompt in enumerate(prompts):
         L = len(prompt)
@@ -561,6 +587,17 @@ def main(argv=None) -> int:
                 last, _, _ = drv.prefill(prompt + greedy[:k])
                 prefix_last.append(last)
             forced_primary = drv.forced(prompt, greedy, prim["pcap"], [s["cap"] for s in prim["steps"]])
+            # DSpark ring seeded by one prefill of L+15 tokens, then the last decode step, vs the 16-step loop
+            drv.prefill(prompt + greedy[: GEN - 1])
+            s_logits, s_spec, _ = drv.decode(greedy[GEN - 1], L + GEN - 1)
+            last_step = prim["steps"][GEN - 1]
+            seed_consistency.append({
+                "prompt": i, "position": L + GEN - 1,
+                "main_logits_max_abs": float((s_logits - last_step["logits"]).abs().max()),
+                "drafts_equal": s_spec[0][0, 1:].tolist() == last_step["spec"][0][0, 1:].tolist(),
+                "dspark_logits_max_abs": float((s_spec[1][0].float() - last_step["spec"][1][0].float()).abs().max()),
+                "confidence_logit_max_abs": float((s_spec[2][0].float() - last_step["spec"][2][0].float()).abs().max()),
+            })
         ties_all[f"p{i}.primary"] = {"ties": rule.ties, "min_gap": {k: (None if math.isinf(v) else v)
                                                                    for k, v in rule.min_gap.items()}}
         prefix_last = torch.stack(prefix_last)
@@ -574,6 +611,7 @@ def main(argv=None) -> int:
         tf = [float(flp[L - 1 + k, greedy[k]]) for k in range(GEN)]
         # DSpark
         ds_logits, ds_conf, steps_json = [], [], []
+        block = args.dspark_block_size
         for k, s in enumerate(prim["steps"]):
             out_ids, dl, conf = s["spec"]
             dl = dl[0].float()
@@ -589,8 +627,8 @@ def main(argv=None) -> int:
                     "candidate_blocks": {str(j): torch.nonzero(c[0, 0].reshape(-1)[:: args.candidate_block_size]
                                                                 ).flatten().tolist()
                                          for j, c in cap["cand"].items()},
-                    "dspark": {"golden": g, "block_row_positions": list(range(L + k + 1, L + k + 1 + args.dspark_block_size)),
-                               "tokens": drafts, "draft_positions": list(range(L + k + 2, L + k + 2 + args.dspark_block_size)),
+                    "dspark": {"golden": g, "block_row_positions": list(range(L + k + 1, L + k + 1 + block)),
+                               "tokens": drafts, "draft_positions": list(range(L + k + 2, L + k + 2 + block)),
                                "token_logprobs": [float(dslp[r, t]) for r, t in enumerate(drafts)],
                                "margins": [margin(dslp[r]) for r in range(len(drafts))],
                                "confidence_logit": conf[0].float().tolist(),
@@ -678,7 +716,26 @@ def main(argv=None) -> int:
                 env_layer[kind][m] = [max(x, y) for x, y in zip(e, vals)]
             e = env_layer.setdefault("logits", {}).setdefault(m, 0.0)
             env_layer["logits"][m] = max(e, lf_logit_pre, lf_logit_dec)
+            ds_l = max((float((a["spec"]["logits"] - b["spec"]["logits"]).abs().max())
+                        for a, b in zip(mforced[1:], forced_primary[1:]) if a["spec"] is not None), default=0.0)
+            ds_c = max((float((a["spec"]["conf"] - b["spec"]["conf"]).abs().max())
+                        for a, b in zip(mforced[1:], forced_primary[1:]) if a["spec"] is not None), default=0.0)
+            ds_eq = sum(a["spec"]["tokens"] == b["spec"]["tokens"]
+                        for a, b in zip(mforced[1:], forced_primary[1:]) if a["spec"] is not None)
+            for key, val in (("dspark_logits", ds_l), ("confidence_logit", ds_c)):
+                e = env_layer.setdefault(key, {}).setdefault(m, 0.0)
+                env_layer[key][m] = max(e, val)
+            pfl = torch.softmax(full_logits[:n_pos].double(), -1)
+            kl = float((pfl * (flp[:n_pos] - mflp[:n_pos])).sum(-1).mean())
+            sharp = sharpness.setdefault(m, {"rms_target_dlp": [], "max_target_dlp": [], "mean_kl": [],
+                                             "argmax_agreement": []})
+            sharp["rms_target_dlp"].append(float(d_t.pow(2).mean().sqrt()))
+            sharp["max_target_dlp"].append(float(d_t.max()))
+            sharp["mean_kl"].append(kl)
+            sharp["argmax_agreement"].append(float(am.double().mean()))
             members_json[m] = {"prefill_target_dlp": d_t.tolist(), "decode_logprobs": mlp,
+                               "layer_forced_dspark_logits_max_abs": ds_l,
+                               "layer_forced_confidence_logit_max_abs": ds_c, "layer_forced_drafts_equal": ds_eq,
                                "decode_argmax": margs, "dspark_tokens": mdrafts,
                                "layer_forced_prefill_rel_rms": lf_pre, "layer_forced_decode_rel_rms": lf_dec,
                                "layer_forced_logits_max_abs": max(lf_logit_pre, lf_logit_dec)}
@@ -733,18 +790,32 @@ def main(argv=None) -> int:
                                   for j in range(args.n_layers)] for kind in ("prefill", "decode")},
         "logits_max_abs_all": max((env_layer.get("logits", {}).get(m, 0.0) for m in members), default=0.0),
         "logits_max_abs_exact": max((env_layer.get("logits", {}).get(m, 0.0) for m in exact_members), default=0.0),
+        "dspark_logits_max_abs_all": max((env_layer.get("dspark_logits", {}).get(m, 0.0) for m in members),
+                                         default=0.0),
+        "dspark_logits_max_abs_exact": max((env_layer.get("dspark_logits", {}).get(m, 0.0) for m in exact_members),
+                                           default=0.0),
+        "confidence_logit_max_abs_all": max((env_layer.get("confidence_logit", {}).get(m, 0.0) for m in members),
+                                            default=0.0),
+        "confidence_logit_max_abs_exact": max((env_layer.get("confidence_logit", {}).get(m, 0.0)
+                                               for m in exact_members), default=0.0),
         "mutations": "not run by this driver (docs/v41.md)",
     }
     doc = {
         "schema_version": 1, "model_dir": "tiny", "gen": GEN, "prompt_seed": shape["prompt_seed"],
-        "reference": {"sources": digests, "upstream": "deepseek-ai/DeepSeek-V4.1-Flash@dba1be0a40aa45a94ad051997016db3960a90277",
+        "reference": {"sources": digests,
+                      "upstream": "deepseek-ai/DeepSeek-V4.1-Flash@dba1be0a40aa45a94ad051997016db3960a90277",
                       "torch": torch.__version__, "threads": 1, "default_dtype": "bfloat16",
-                      "topk_tie_rule": "lower index first (stable descending sort) in Indexer, select_candidate_blocks, Gate",
+                      "topk_tie_rule": "lower index first (stable descending sort) in Indexer, "
+                                       "select_candidate_blocks, Gate",
                       "semantics": "exact: every layer on every token, no SWA bounded replay",
                       "envelope_noise_p": {"fp8_gemm": 1e-3, "fp4_gemm": 1e-3, "sparse_attn": 0.1},
                       "envelope_members": members, "driver": "deepserve/tools/v41_golden.py", "shape": a.shape,
-                      "omitted": ["dspark_seed_consistency", "end_to_end_sharpness", "layer_forced.mutations"]},
+                      "omitted": ["layer_forced.mutations", "end_to_end_sharpness.mutations"]},
         "refs": refs, "topk_boundary_ties": ties_all, "layer_forced": layer_forced,
+        "dspark_seed_consistency": seed_consistency,
+        "end_to_end_sharpness": {"protocol": "teacher-forced prefill of prompt+greedy, every position; member vs "
+                                             "primary, one value per prompt", "members": sharpness,
+                                 "mutations": "not run by this driver (docs/v41.md)"},
     }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "reference.json").write_text(json.dumps(doc, separators=(",", ":")) + "\n")

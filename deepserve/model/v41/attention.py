@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from .config import V41Config
-from .numerics import (QuantWeight, fp4_fake_quant, fp8_fake_quant, linear, rms_norm, rope_inv_freq, rope_table,
-                       rope_tail, sparse_attention, topk_low_ties)
+from .numerics import (fp4_fake_quant, fp8_fake_quant, linear, rms_norm, rope_inv_freq, rope_table, rope_tail,
+                       sparse_attention, topk_low_ties)
 from .state import LayerState, V41SequenceState
 
 

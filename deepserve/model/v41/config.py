@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class V41ConfigError(ValueError):
@@ -205,14 +208,19 @@ class V41Config:
         """config.json (HF spelling), else inference/config.json (reference spelling)."""
         model_dir = Path(model_dir)
         hf, ref = model_dir / "config.json", model_dir / "inference" / "config.json"
+        if not hf.is_file() and not ref.is_file():
+            raise V41ConfigError(f"{model_dir} has neither config.json nor inference/config.json")
         try:
             if hf.is_file():
                 return cls.from_hf(json.loads(hf.read_text()))
-            if ref.is_file():
-                return cls.from_reference(json.loads(ref.read_text()))
         except V41ConfigError as exc:
-            raise V41ConfigError(f"{model_dir}: {exc}") from exc
-        raise V41ConfigError(f"{model_dir} has neither config.json nor inference/config.json")
+            if not ref.is_file():
+                raise V41ConfigError(f"{hf}: {exc}") from exc
+            logger.warning("%s: %s; reading %s instead", hf, exc, ref)
+        try:
+            return cls.from_reference(json.loads(ref.read_text()))
+        except V41ConfigError as exc:
+            raise V41ConfigError(f"{ref}: {exc}") from exc
 
 
 _DEFAULTS = {

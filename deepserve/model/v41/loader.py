@@ -178,7 +178,7 @@ def load_state(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor]) 
     bf16, f32 = torch.bfloat16, torch.float32
     model.embed = r.tensor("embed.weight", bf16, (c.vocab_size, c.dim))
     model.norm = r.tensor("norm.weight", bf16, (c.dim,))
-    model.head = r.tensor("head.weight", bf16, (c.vocab_size, c.dim)).to(f32)
+    model.head = r.tensor("head.weight", f32, (c.vocab_size, c.dim))  # bf16 in the file, used in fp32
     for j, blk in enumerate(model.layers):
         _load_block(r, c, blk, f"layers.{j}.")
     if c.n_mtp_layers:
@@ -193,10 +193,8 @@ def load_state(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor]) 
         last = f"mtp.{c.n_mtp_layers - 1}."
         model.mtp_norm = r.tensor(last + "norm.weight", bf16, (c.dim,))
         model.markov_embed = r.tensor(last + "markov_head.embed.weight", bf16, (c.vocab_size, c.dspark_markov_rank))
-        model.markov_head = r.tensor(last + "markov_head.head.weight", bf16,
-                                     (c.vocab_size, c.dspark_markov_rank)).to(f32)
-        model.confidence = r.tensor(last + "confidence_head.proj.weight", bf16,
-                                    (1, c.dim + c.dspark_markov_rank)).to(f32)
+        model.markov_head = r.tensor(last + "markov_head.head.weight", f32, (c.vocab_size, c.dspark_markov_rank))
+        model.confidence = r.tensor(last + "confidence_head.proj.weight", f32, (1, c.dim + c.dspark_markov_rank))
     left = sorted(set(tensors) - r.used)
     if left:
         raise V41CheckpointError(f"{len(left)} checkpoint tensors match nothing in the config, e.g. {left[:5]}")

@@ -113,7 +113,8 @@ class QuantWeight:
     def fp4(cls, packed: torch.Tensor, scale: torch.Tensor) -> "QuantWeight":
         n, half = packed.shape
         if tuple(scale.shape) != (n, 2 * half // BLOCK):
-            raise ValueError(f"FP4 weight {n}x{2 * half} needs a {n}x{2 * half // BLOCK} scale, got {tuple(scale.shape)}")
+            raise ValueError(f"FP4 weight {n}x{2 * half} needs a {n}x{2 * half // BLOCK} scale, "
+                             f"got {tuple(scale.shape)}")
         return cls("fp4", unpack_e2m1(packed), scale.float().contiguous())
 
     @property
