@@ -10,6 +10,7 @@ imports, so that `core` stays importable without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class EngineParts:
     runner: Any  # `deepserve.model.runner.ModelRunner`
     engine: EngineCore
     block_stores: StoreRegistry  # the stores the plugins offer, by URI scheme
+    kv_events: Any = None  # `deepserve.core.kv.events.ZmqEventPublisher` with kv_events_config on, else None
 
 
 def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
@@ -111,7 +113,9 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else \
         _default_budget(backend, config.gpu_memory_utilization)
     num_pages = min(pages_for_budget(budget, page_bytes), max_num_seqs * math.ceil(max_model_len / block_size))
-    kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
+    kv_events = _kv_events(config, rank)
+    kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching,
+                                emit=kv_events.emit if kv_events is not None else None)
     # the scratch region holds a step's new rows, so that prompt chunks take the batched path as well
     cache = PagedKVCache(model, num_pages, block_size, max_num_seqs, owners=owners,
                          max_step_tokens=max(config.max_num_batched_tokens, 16 * max_num_seqs))
@@ -145,7 +149,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
     return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, cache,
-                       cost_model, graphs, runner, engine, stores)
+                       cost_model, graphs, runner, engine, stores, kv_events)
 
 
 def expert_placement(config: EngineConfig, world_size: int):
@@ -206,6 +210,21 @@ def _lockstep(pm, config: EngineConfig, runner, placement, group):
                                   initial=as_balance_placement(placement))
     return LockstepExecutor(runner, transport, RankBalancer(balancer, moe_sites(runner.model), transport, group,
                                                             loads))
+
+
+def _kv_events(config: EngineConfig, rank):
+    """The KV events publisher `kv_events_config` asks for (vLLM's shape), or None. A data-parallel rank
+    publishes with its rank, on the endpoint's port plus its rank, as vLLM's ranks do."""
+    events = config.kv_events_config
+    if events is None or not events.enabled:
+        return None
+    from deepserve.core.kv.events import ZmqEventPublisher
+
+    if rank is not None:
+        head, sep, port = events.endpoint.rpartition(":")
+        if sep and port.isdigit():
+            events = dataclasses.replace(events, endpoint=f"{head}:{int(port) + rank.rank}")
+    return ZmqEventPublisher(events, data_parallel_rank=rank.rank if rank is not None else None)
 
 
 def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:

@@ -384,7 +384,8 @@ class EngineConfig:
     - Cache tiers below the GPU pages (docs/cache.md): `host_cache_bytes` (a host-memory LRU of blocks),
       `kv_store` (a block store by URI: `dir:///mnt/3fs/kv`, `redis://host:6379/0`, `ec:10+2:dir:///root`),
       `kv_store_deadline` (seconds a store call may take; past it, a miss), `kv_store_ttl_class` (`chat` or
-      `agent`, the retention class of the blocks written).
+      `agent`, the retention class of the blocks written). `kv_events_config`: vLLM's KV events for routers
+      (`{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}`, a dict or its JSON; docs/cache.md).
     - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
@@ -427,6 +428,7 @@ class EngineConfig:
     kv_store: str | None = None
     kv_store_deadline: float = 1.0
     kv_store_ttl_class: str = "chat"
+    kv_events_config: Any = None
     structured_outputs_backend: str = "llguidance"
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
@@ -483,6 +485,9 @@ class EngineConfig:
             raise ValueError(f"kv_store must be a block store URI such as 'dir:///path', got {self.kv_store!r}")
         if not self.kv_store_deadline > 0:
             raise ValueError(f"kv_store_deadline must be a positive number of seconds, got {self.kv_store_deadline}")
+        from deepserve.core.kv.events import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.kv_store_ttl_class not in ("agent", "chat"):
             raise ValueError(f"kv_store_ttl_class must be 'agent' or 'chat', got {self.kv_store_ttl_class!r}")
         if (self.kv_store or self.host_cache_bytes) and not self.enable_prefix_caching:

@@ -461,7 +461,8 @@ class EngineCore:
             if load.request_id not in self.scheduler.requests:
                 continue  # finished (aborted) while it loaded
             blocks = load.blocks()
-            new = kv.prepare_load(load.request_id, load.block_hashes[: load.first + len(blocks)], load.first)
+            new = kv.prepare_load(load.request_id, load.block_hashes[: load.first + len(blocks)], load.first,
+                                  self.scheduler.requests[load.request_id].prompt_token_ids)
             if new:
                 self._copies_in.append(([page for _, page in new], [blocks[i - load.first] for i, _ in new]))
             self.kv_tiers.record(load, len(new))

@@ -17,7 +17,7 @@ through `free`, once per reference taken.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from deepserve.core.kv.prefix_hash import BlockHash
 
@@ -39,6 +39,8 @@ class BlockPool:
         # which a prefix hit on a free cached page needs
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        #: called with each block hash whose page is evicted (the KV events' BlockRemoved); None: nobody listens
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,3 +134,5 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self._hashes[page] = None
+            if self.on_evict is not None:
+                self.on_evict(block_hash)

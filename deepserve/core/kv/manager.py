@@ -21,12 +21,15 @@ takes pages for the blocks a lower tier found and registers them under their has
 in before any step reads them); those pages, and the GPU-cached blocks before them, are *held* for the request
 until its `get_computed_blocks` (or `free`), so nothing evicts them while it waits. With `record_new_blocks` on,
 `take_new_blocks()` hands out the pages `cache_full_blocks` registered since the last call (what a step computed,
-for the tiers to copy out).
+for the tiers to copy out). With an `emit` callback, every block registered and every page evicted is a KV event
+(`deepserve.core.kv.events`: BlockStored / BlockRemoved, medium GPU) for cache-aware routers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from collections.abc import Callable
 
 from deepserve.core.kv.block_pool import BlockPool
 from deepserve.core.kv.prefix_hash import BlockHash, extend_block_hashes, validate_block_size
@@ -61,7 +64,10 @@ def pages_for_budget(kv_cache_bytes: int, bytes_per_page: int) -> int:
 class KVCacheManager:
     """Block tables of the running requests, and the prefix cache shared between them."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 emit: Callable[[object], None] | None = None) -> None:
+        """`emit`: called with a KV event (`deepserve.core.kv.events`) for each block registered and each page
+        evicted, in the order they happen; None: no events."""
         self.block_size = validate_block_size(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -77,6 +83,11 @@ class KVCacheManager:
         #: keep (hash, page) of every block `cache_full_blocks` registers, for `take_new_blocks`
         self.record_new_blocks = False
         self._new_blocks: list[tuple[BlockHash, int]] = []
+        self.emit = emit
+        if emit is not None:
+            from deepserve.core.kv.events import BlockRemoved
+
+            self.pool.on_evict = lambda block_hash: emit(BlockRemoved([block_hash], "GPU"))
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,9 +175,19 @@ class KVCacheManager:
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []),
                                      token_ids[:num_full * self.block_size], self.block_size, cache_salt)
         for i in range(start, num_full):
-            if self.pool.cache_block(table[i], hashes[i]) and self.record_new_blocks:
-                self._new_blocks.append((hashes[i], table[i]))
+            if self.pool.cache_block(table[i], hashes[i]):
+                if self.record_new_blocks:
+                    self._new_blocks.append((hashes[i], table[i]))
+                self._stored(hashes, i, token_ids)
         self._num_registered[request_id] = num_full
+
+    def _stored(self, hashes: Sequence[BlockHash], i: int, token_ids: Sequence[int]) -> None:
+        if self.emit is not None:
+            from deepserve.core.kv.events import BlockStored
+
+            self.emit(BlockStored([hashes[i]], hashes[i - 1] if i else None,
+                                  list(token_ids[i * self.block_size:(i + 1) * self.block_size]), self.block_size,
+                                  None, "GPU"))
 
     def take_new_blocks(self) -> list[tuple[BlockHash, int]]:
         """(hash, page) of the blocks registered by `cache_full_blocks` since the last call (with
@@ -181,13 +202,14 @@ class KVCacheManager:
                 return n
         return len(block_hashes)
 
-    def prepare_load(self, request_id: RequestId, block_hashes: Sequence[BlockHash],
-                     first: int) -> list[tuple[int, int]]:
+    def prepare_load(self, request_id: RequestId, block_hashes: Sequence[BlockHash], first: int,
+                     token_ids: Sequence[int] = ()) -> list[tuple[int, int]]:
         """Hold pages for a request's prefix before it is admitted: the GPU-cached blocks of `block_hashes`, and
         a new page for each block from index `first` on that is not cached (a lower tier has its bytes), as far
         as free pages last. Blocks before `first` must be cached, or the prefix ends there. The new pages are
         registered under their hashes now; returns [(block index, page)] of those, which the caller must fill
-        before any step reads them. The hold ends at the request's `get_computed_blocks` or `free`."""
+        before any step reads them. The hold ends at the request's `get_computed_blocks` or `free`. `token_ids`:
+        the request's tokens, for the KV events of the blocks registered."""
         if request_id in self._held or request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds KV pages")
         held: list[int] = []
@@ -202,6 +224,8 @@ class KVCacheManager:
                 page = self.pool.allocate(1)[0]
                 self.pool.cache_block(page, block_hash)
                 new.append((i, page))
+                if len(token_ids) >= (i + 1) * self.block_size:
+                    self._stored(block_hashes, i, token_ids)
             held.append(page)
         self._held[request_id] = held
         return new
