@@ -56,7 +56,7 @@ def run_way(way: str, model: str, options: dict, prompts, params, repeat: int) -
     from deepserve import LLM
     from deepserve.build import build_engine, resolve_config
 
-    group = None
+    group = engine = None
     if way == "today":
         llm = LLM(model, **options)
         engine, steps = llm.engine, lambda: llm.engine.stats.step_seconds
@@ -98,14 +98,18 @@ def run_way(way: str, model: str, options: dict, prompts, params, repeat: int) -
         return {"way": way, "seconds": best, "output_tokens_per_s": tokens / best, "median_step_ms": step_ms,
                 "outputs": outputs, **extra}
     finally:
-        if way == "front":
-            engine.shutdown()
-        elif hasattr(engine, "shutdown"):
+        if engine is not None:
             engine.shutdown()
         if group is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+        del engine
+        import gc
+
+        gc.collect()  # this way's weights and KV pages go before the next way sizes its own
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -120,6 +124,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ways", default="today,today-sync,rank,front")
+    ap.add_argument("--kv-cache-bytes", type=int, default=4 * 2**30,
+                    help="every way's KV budget (fixed, so that no way sizes its cache from what another left)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaleout.json"))
     args = ap.parse_args()
     from deepserve import SamplingParams
@@ -129,9 +135,7 @@ def main() -> int:
     prompts = prompts_for(args.num_prompts, args.input_len, cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     options = dict(accelerator=args.accelerator, max_num_seqs=max(args.num_prompts, 1),
-                   max_model_len=args.input_len + args.output_len + 128)
-    if not torch.cuda.is_available():
-        options["kv_cache_bytes"] = 2**28
+                   max_model_len=args.input_len + args.output_len + 128, kv_cache_bytes=args.kv_cache_bytes)
     results = [run_way(w, model, options, prompts, params, args.repeat) for w in args.ways.split(",")]
     base = {r["way"]: r for r in results}
     agree = len({json.dumps(r["outputs"]) for r in results}) == 1

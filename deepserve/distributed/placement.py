@@ -112,6 +112,14 @@ class ExpertPlacement:
         them by token row (row t takes replica t mod count): any replica computes the same bits, so this choice
         changes where work runs, never the output."""
         ids = ids.to(torch.int64)
-        count = self.logcnt[site].to(ids.device)[ids]
+        log2phy, logcnt = self._on(ids.device)
+        count = logcnt[site][ids]
         row = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        return self.log2phy[site].to(ids.device)[ids, row % count]
+        return log2phy[site][ids, row % count]
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`log2phy` and `logcnt` on `device`, copied there once (not on every layer of every step)."""
+        copies = self.__dict__.setdefault("_device_tables", {})
+        if device not in copies:
+            copies[device] = (self.log2phy.to(device), self.logcnt.to(device))
+        return copies[device]
