@@ -21,6 +21,7 @@ node count does not change the placement.
 
     .venv/bin/python bench/eplb.py                # ~10 min on 2 cores; writes the JSON and the plot
     .venv/bin/python bench/eplb.py --quick        # short traces, a smoke run
+    .venv/bin/python bench/eplb.py --plot-only    # redraw docs/eplb_imbalance.png from the JSON
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def simulate(phase: Phase, source, ep: int, seed: int) -> dict:
     balancer.observe(None, w)  # the profile steps precede the first window (2 * window <= interval)
     evaluators = {"none": Evaluator(Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)),
                   "static": Evaluator(static)}
-    eplb_eval = {id(static): evaluators["static"]}
+    current, current_eval = static, evaluators["static"]  # the balancer's placement and its evaluator
     sums = {k: 0.0 for k in ("none", "static", "eplb")}
     expected = {k: 0.0 for k in sums}
     timeline, measured = [], 0
@@ -212,7 +213,9 @@ def simulate(phase: Phase, source, ep: int, seed: int) -> dict:
             sample_steps = sample_steps[sample_steps % phase.stride == 0]
             sample = draw_at(rng, assignments, source, sample_steps)
         if len(sample_steps):
-            ev = eplb_eval.setdefault(id(placement), Evaluator(placement))
+            if placement is not current:
+                current, current_eval = placement, Evaluator(placement)
+            ev = current_eval
             probs = source.at(sample_steps)
             for name, e in (("none", evaluators["none"]), ("static", evaluators["static"]), ("eplb", ev)):
                 sums[name] += float(e(sample).sum())
@@ -251,6 +254,7 @@ def check_evaluator() -> None:
 
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,6 +274,8 @@ def plot(results: list[dict], path: Path) -> None:
                 ax.axhline(DEEPSEEK["decode"]["EP64-128"], color="k", linestyle=":", label="DeepSeek decode 1.090")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_yticks([1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0], ["1.0", "1.1", "1.25", "1.5", "2", "3", "4"])
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xticks(eps, [str(e) for e in eps])
             ax.set_title(f"{phase}, {source}")
             ax.set_xlabel("EP size")
@@ -290,7 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench/results/eplb.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs/eplb_imbalance.png"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON at --out")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text())["results"], Path(args.plot))
+        return
     check_evaluator()
     wanted = args.sources.split(",")
     meta = {"command": "python bench/eplb.py" + (" --quick" if args.quick else ""),
