@@ -38,6 +38,7 @@ def test_both_config_spellings_read_the_same_model():
     (lambda t: t.update(compress_ratios=t["compress_ratios"][:-1]), "compress_ratios has 9 entries"),
     (lambda t: t.update(kv_source_layer_ids=[2]), "nearest kv source"),
     (lambda t: t.update(candidate_source_layer_id=5), "candidate source 5 is not an index source"),
+    (lambda t: t.update(index_source_layer_ids=[2, 4, 6], candidate_source_layer_id=2), "their ratios must match"),
     (lambda t: t.update(num_key_value_heads=2), "one K=V head"),
     (lambda t: t.pop("index_topk"), "config lacks ['index_topk']"),
 ])
@@ -49,7 +50,9 @@ def test_bad_configs_are_refused_by_name(edit, message):
 
 
 def test_registered_under_its_model_type():
-    assert model_class("deepseek_v41") is DeepseekV41ForCausalLM
+    cls = model_class("deepseek_v41")
+    assert cls is DeepseekV41ForCausalLM
+    assert cls(hf_config()).cfg == V41Config.from_hf(hf_config())  # built from the HF config as the registry does
 
 
 def test_layer_roles_are_state_owners(model):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,7 +207,7 @@ def check_prompt(model, g: Golden, i: int, ref: dict, mode: str, rep: Report, en
         rows = ref["decode_steps"][k].get("topk_rows") or {}
         items = rows.items() if isinstance(rows, dict) else zip(c.index_source_layers, rows)
         for j, want in items:
-            got = out.topk.get(int(j))
+            got = out.topk.get(int(re.sub(r"\D", "", str(j))))  # "6", 6 or "layer6"
             if got is None:
                 continue
             sel_total += 1

@@ -115,8 +115,13 @@ class V41Config:
             if ix is None or self.compress_ratios[ix] != r or ix < kv:
                 raise V41ConfigError(f"layer {j} (ratio {r}): the nearest index source at or before it ({ix}) "
                                      f"must have its ratio and read the same kv source ({kv})")
-        if self.candidate_source_layer >= 0 and self.candidate_source_layer not in self.index_source_layers:
-            raise V41ConfigError(f"candidate source {self.candidate_source_layer} is not an index source")
+        cand = self.candidate_source_layer
+        if cand >= 0 and cand not in self.index_source_layers:
+            raise V41ConfigError(f"candidate source {cand} is not an index source")
+        for j in self.index_source_layers:  # later index sources score inside the candidate source's blocks
+            if 0 <= cand < j and self.compress_ratios[j] != self.compress_ratios[cand]:
+                raise V41ConfigError(f"index source {j} (ratio {self.compress_ratios[j]}) follows the candidate "
+                                     f"source {cand} (ratio {self.compress_ratios[cand]}): their ratios must match")
         for j in self.engram_layer_ids:
             if not 0 <= j < n:
                 raise V41ConfigError(f"engram layer {j} is not a backbone layer")
