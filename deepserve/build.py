@@ -386,8 +386,7 @@ def serve_rank(config: EngineConfig, context) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.device is None and context.dist_backend == "nccl":
-        local = context.rank - config.data_parallel_start_rank
-        config = dataclasses.replace(config, device=f"cuda:{local}")
+        config = dataclasses.replace(config, device=f"cuda:{context.local_index}")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank-{context.rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
@@ -414,9 +413,14 @@ def serve_rank(config: EngineConfig, context) -> None:
 
 def run_headless(config: EngineConfig) -> None:
     """`deepserve serve --headless`: start this machine's ranks of a multi-node deployment (whose front runs on
-    another machine, at `data_parallel_address:data_parallel_rpc_port`) and wait for them to end."""
-    from deepserve.distributed.launch import rank_contexts, start_ranks
+    another machine, at `data_parallel_address:data_parallel_rpc_port`) and wait for them to end. Under
+    `torchrun` this process is one rank (torchrun's RANK / WORLD_SIZE / LOCAL_RANK and rendezvous) and runs it."""
+    from deepserve.distributed.launch import rank_contexts, start_ranks, torchrun_context
 
+    context = torchrun_context(config)
+    if context is not None:
+        serve_rank(config, context)
+        return
     if config.data_parallel_rpc_port is None:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address): the front's port")
     processes = start_ranks(serve_rank, config, rank_contexts(config, config.data_parallel_rpc_port))

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from deepserve import LLM, SamplingParams
+from deepserve.core.env import default_model_dir
 from deepserve.distributed.front import DataParallelEngine, RankError
+from deepserve.distributed.launch import free_port
 
 OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
 PREFIX = [(7 * i) % 4000 + 2 for i in range(200)]  # more than a page: the second use takes a prefix hit
@@ -116,3 +120,27 @@ def test_replicas_a_shuffled_placement_and_eplb_reassignments_change_no_output(r
         assert llm.engine.expert_imbalance is not None and all(x >= 1.0 for x in llm.engine.expert_imbalance)
     finally:
         llm.engine.shutdown()
+
+
+def test_ranks_started_elsewhere_under_torchrun_serve_a_front_with_none_of_its_own(reference):
+    """`deepserve serve --headless` under torchrun's environment (as `torchrun --nproc-per-node 2` sets it) on
+    "another machine", and a front here with `data_parallel_size_local=0`."""
+    port, master = free_port(), free_port()
+    flags = ["--data-parallel-size", "2", "--enable-expert-parallel", "--data-parallel-address", "127.0.0.1",
+             "--data-parallel-rpc-port", str(port), "--max-num-seqs", "4", "--kv-cache-bytes", str(2**24),
+             "--block-size", "128", "--max-model-len", "512"]
+    ranks = [subprocess.Popen([sys.executable, "-m", "deepserve", "serve", str(default_model_dir()), "--headless",
+                               *flags], env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+    try:
+        llm = LLM(data_parallel_size=2, data_parallel_size_local=0, data_parallel_rpc_port=port,
+                  enable_expert_parallel=True, **OPTIONS)
+        assert llm.engine.processes == []  # none started here
+        assert summary(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference["greedy"]
+        llm.engine.shutdown()
+        assert [r.wait(timeout=60) for r in ranks] == [0, 0]  # the front's shutdown ended them
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()

@@ -153,7 +153,8 @@ def test_expert_parallel_model_on_one_rank_gives_the_single_process_logits(one_r
     ({"data_parallel_size": 2, "data_parallel_start_rank": 1, "data_parallel_size_local": 2,
       "data_parallel_rpc_port": 5000}, "exceeds data_parallel_size 2"),
     ({"data_parallel_size": 4, "data_parallel_size_local": 2}, "need data_parallel_rpc_port"),
-    ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
+    ({"data_parallel_size": 2, "data_parallel_size_local": -1}, "data_parallel_size_local must be an integer >= 0"),
     ({"num_redundant_experts": 2}, "need enable_expert_parallel"),
     ({"enable_eplb": True}, "need enable_expert_parallel"),
     ({"enable_expert_parallel": True, "enable_eplb": True, "data_parallel_size": 2, "num_redundant_experts": 3},
@@ -210,3 +211,17 @@ def test_our_table_is_a_balance_placement_value_and_back():
     assert value.logcnt[0] == (2, 1, 1, 2) and value.log2phy[0][3] == (0, 3) and value.log2phy[0][1] == (2, -1)
     back = ExpertPlacement.from_phy2log(value.phy2log, 4, 2)
     assert torch.equal(back.phy2log, ours.phy2log)
+
+
+def test_torchrun_environment_gives_the_rank_and_must_match_the_world():
+    from deepserve.distributed.launch import torchrun_context
+
+    config = EngineConfig(model=str(MODEL), data_parallel_size=2, enable_expert_parallel=True,
+                          data_parallel_rpc_port=13345, data_parallel_address="10.0.0.1")
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    context = torchrun_context(config, env)
+    assert (context.rank, context.world_size, context.local_index) == (1, 2, 1)
+    assert context.front_endpoint == "tcp://10.0.0.1:13345" and context.dist_init_method == "env://"
+    assert torchrun_context(config, {}) is None
+    with pytest.raises(ValueError, match="torchrun started a world of 4 processes but data_parallel_size is 2"):
+        torchrun_context(config, {**env, "WORLD_SIZE": "4"})

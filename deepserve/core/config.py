@@ -506,10 +506,10 @@ class EngineConfig:
                 f"tensor_parallel_size {self.tensor_parallel_size} is not supported: DeepSeek-V4's attention has one "
                 "KV head, so it is not split across GPUs; use data_parallel_size N with enable_expert_parallel "
                 "(DP attention + EP MoE, as DeepInfer does)")
-        for name in ("data_parallel_size", "data_parallel_size_local"):
+        for name, least in (("data_parallel_size", 1), ("data_parallel_size_local", 0)):  # local 0: a front only
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         start, local = self.data_parallel_start_rank, self.local_data_parallel_size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"data_parallel_start_rank must be a non-negative integer, got {start!r}")

@@ -31,6 +31,7 @@ class RankContext:
     dist_init_method: str  # tcp://host:port of the torch.distributed store
     dist_backend: str
     timeout: float  # seconds a collective or a silent peer may take before the rank gives up
+    local_index: int = 0  # this rank among its machine's: its GPU under NCCL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,8 +70,25 @@ def rank_contexts(config: EngineConfig, port: int) -> list[RankContext]:
     backend = dist_backend(config.device)
     start = config.data_parallel_start_rank
     return [RankContext(rank, config.data_parallel_size, f"tcp://{addr}:{port}", f"tcp://{addr}:{port + 1}",
-                        backend, config.data_parallel_timeout)
+                        backend, config.data_parallel_timeout, rank - start)
             for rank in range(start, start + config.local_data_parallel_size)]
+
+
+def torchrun_context(config: EngineConfig, environ=os.environ) -> RankContext | None:
+    """This process's rank when `torchrun` started it (its RANK, WORLD_SIZE, LOCAL_RANK and the MASTER_ADDR /
+    MASTER_PORT rendezvous), else None. The world must be `data_parallel_size`; the front is at
+    `data_parallel_address:data_parallel_rpc_port`."""
+    if not all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    rank, world, local = int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"])
+    if world != config.data_parallel_size:
+        raise ValueError(f"torchrun started a world of {world} processes but data_parallel_size is "
+                         f"{config.data_parallel_size}: they must match")
+    if config.data_parallel_rpc_port is None:
+        raise ValueError("under torchrun the ranks need the front's --data-parallel-address and "
+                         "--data-parallel-rpc-port")
+    return RankContext(rank, world, f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}",
+                       "env://", dist_backend(config.device), config.data_parallel_timeout, local)
 
 
 def start_ranks(target: Callable[[EngineConfig, RankContext], None], config: EngineConfig,
@@ -91,4 +109,5 @@ def init_process_group(context: RankContext):
 
     dist.init_process_group(context.dist_backend, init_method=context.dist_init_method, rank=context.rank,
                             world_size=context.world_size, timeout=timedelta(seconds=context.timeout))
+    # (env:// under torchrun reads MASTER_ADDR / MASTER_PORT; rank and world are given explicitly either way)
     return dist.group.WORLD
