@@ -54,7 +54,7 @@ class EngineParts:
     runner: Any  # `deepserve.model.runner.ModelRunner`
     engine: EngineCore
     block_stores: StoreRegistry  # the stores the plugins offer, by URI scheme
-    kv_events: Any = None  # `deepserve.core.kv.events.ZmqEventPublisher` with kv_events_config on, else None
+    kv_events: Any = None  # `plugins.cache.kv_events.ZmqEventPublisher` with kv_events_config on, else None
 
 
 def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
@@ -218,7 +218,7 @@ def _kv_events(config: EngineConfig, rank):
     events = config.kv_events_config
     if events is None or not events.enabled:
         return None
-    from deepserve.core.kv.events import ZmqEventPublisher
+    from deepserve.plugins.cache.kv_events import ZmqEventPublisher
 
     if rank is not None:
         head, sep, port = events.endpoint.rpartition(":")

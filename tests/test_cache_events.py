@@ -1,5 +1,5 @@
-"""KV cache events in vLLM's shape: blocks registered and pages evicted, published over ZMQ as msgpack
-`KVEventBatch`es that a router's subscriber decodes."""
+"""KV cache events in vLLM's shape: blocks registered and pages evicted (`deepserve.core.kv.events`), published
+over ZMQ as msgpack `KVEventBatch`es (`deepserve.plugins.cache.kv_events`) that a router's subscriber decodes."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 import zmq
 
 from deepserve import LLM, SamplingParams
-from deepserve.core.kv.events import BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig
+from deepserve.core.kv.events import BlockRemoved, BlockStored, KVEventsConfig
 from deepserve.core.kv.manager import KVCacheManager
 from deepserve.core.kv.prefix_hash import block_hashes
 from deepserve.model.kv_cache import bytes_per_page
+from deepserve.plugins.cache import kv_events as wire
 
 P = 128
 
@@ -43,7 +44,7 @@ def subscribe(endpoint: str):
 
 def receive(socket, until, timeout: float = 20.0) -> list:
     """Decoded events, batch by batch, until `until(events)` holds (or `timeout` seconds pass)."""
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(wire.KVEventBatch)
     events, seqs = [], []
     deadline = time.monotonic() + timeout
     while not until(events) and time.monotonic() < deadline:
@@ -70,14 +71,14 @@ def test_an_engine_publishes_its_blocks_for_routers(tiny_dir, tmp_path):
     prompt = [rng.randrange(2, 512) for _ in range(2 * P + 10)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    stored = receive(socket, lambda ev: sum(isinstance(e, BlockStored) for e in ev) >= 2)
+    stored = receive(socket, lambda ev: sum(isinstance(e, wire.BlockStored) for e in ev) >= 2)
     hashes = block_hashes(prompt, P)
     assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == \
         [([hashes[0]], None, prompt[:P]), ([hashes[1]], hashes[0], prompt[P:2 * P])]
     other = [rng.randrange(2, 512) for _ in range(3 * P + 10)]  # needs every page: the first prompt's go
     llm.generate([{"prompt_token_ids": other}], params, use_tqdm=False)
-    later = receive(socket, lambda ev: any(isinstance(e, BlockRemoved) for e in ev))
-    removed = [h for e in later if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    later = receive(socket, lambda ev: any(isinstance(e, wire.BlockRemoved) for e in ev))
+    removed = [h for e in later if isinstance(e, wire.BlockRemoved) for h in e.block_hashes]
     assert set(removed) <= set(hashes[:2]) and removed and all(e.medium == "GPU" for e in later)
     llm.parts.kv_events.close()
     socket.close()
