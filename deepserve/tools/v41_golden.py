@@ -72,6 +72,22 @@ SHAPES = {
         dspark_block_size=5, dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=32,
         prompt_lens=(12, 40), seed=1, prompt_seed=4321,
     ),
+    # the golden format's example pattern (not committed: 11 layers at hidden 256 is ~9 MB): a ratio-2 index
+    # source that owns no keys (4, with Engram), three ratio-1 index sources, 1024 ids, a 64-token window
+    "format_example": dict(
+        vocab_size=1024, dim=256, moe_inter_dim=128, n_layers=11, n_mtp_layers=3, n_heads=4,
+        n_routed_experts=8, n_activated_experts=2, dspark_n_routed_experts=4, dspark_n_activated_experts=2,
+        q_lora_rank=64, head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=64, window_size=64,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0), kv_source_layers=(2, 6),
+        index_source_layers=(2, 4, 6, 8, 10), candidate_source_layer=6, candidate_topk_blocks=4,
+        candidate_block_size=8, index_n_heads=4, index_head_dim=64, index_topk=16,
+        compress_rope_theta=160000.0, rope_theta=10000.0, original_seq_len=64, rope_factor=4.0,
+        beta_fast=32, beta_slow=1, route_scale=1.5, swiglu_limit=10.0, score_func="sqrtsoftplus",
+        engram_layer_ids=(1, 4), engram_max_ngram_size=4, engram_n_heads=4, engram_head_dim=32,
+        engram_vocab_size=211, engram_pad_id=2,
+        dspark_block_size=5, dspark_target_layer_ids=(8, 9, 10), dspark_markov_rank=32,
+        prompt_lens=(37, 90), seed=2, prompt_seed=99,
+    ),
 }
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
 NOISE = "<｜dspark_noise｜>"
