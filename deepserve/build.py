@@ -346,6 +346,11 @@ def _build_front(config: EngineConfig, pm) -> EngineParts:
         expert_placement(config, config.data_parallel_size)  # refuse an impossible placement before any start
     port = config.data_parallel_rpc_port or free_port(config.data_parallel_address)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
+    # no message may be dropped: unbounded queues (no high-water mark), and a send to a rank that is not
+    # connected raises instead of vanishing
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.bind(f"tcp://{config.data_parallel_address}:{port}")
     processes = start_ranks(serve_rank, config, rank_contexts(config, port))
     try:
@@ -390,11 +395,19 @@ def serve_rank(config: EngineConfig, context) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank-{context.rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped; a front gone for the timeout fails the send
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(context.timeout * 1000))
     sock.connect(context.front_endpoint)
     group = None
     try:
-        group = init_process_group(context) if config.enable_expert_parallel else None
-        parts = build_engine(config, rank=context, group=group)
+        try:
+            group = init_process_group(context) if config.enable_expert_parallel else None
+            parts = build_engine(config, rank=context, group=group)
+        except Exception as exc:  # the loop reports its own failures; these happen before it
+            sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank,
+                                                                           f"{type(exc).__name__}: {exc}")))
+            raise
         executor = parts.engine.executor
         weights = sum(t.numel() * t.element_size() for t in parts.model.state_dict().values())
         ready = messages.Ready(context.rank, parts.max_model_len, config.max_num_seqs, weights,
@@ -402,9 +415,6 @@ def serve_rank(config: EngineConfig, context) -> None:
         RankLoop(context.rank, parts.engine, sock, group,
                  executor if isinstance(executor, LockstepExecutor) else None, ready, parent_pid=os.getppid(),
                  device=str(parts.backend.device)).run()
-    except Exception as exc:
-        sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank, f"{type(exc).__name__}: {exc}")))
-        raise
     finally:
         if group is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

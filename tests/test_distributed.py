@@ -144,3 +144,8 @@ def test_ranks_started_elsewhere_under_torchrun_serve_a_front_with_none_of_its_o
         for r in ranks:
             if r.poll() is None:
                 r.kill()
+
+
+def test_a_rank_that_cannot_start_is_an_error_naming_why():
+    with pytest.raises(RankError, match="expert_transport 'deep_ep' is not a registered transport"):
+        LLM(data_parallel_size=2, enable_expert_parallel=True, expert_transport="deep_ep", **OPTIONS)

@@ -96,7 +96,11 @@ class RankLoop:
                     self._send_outputs(outputs)  # the counters too, for the front's /metrics
         except Exception as exc:  # noqa: BLE001 - told to the front, which shuts every rank down
             logger.exception("rank %d failed", self.rank)
-            self._send(m.RankFailed(self.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            try:
+                self.socket.send(m.to_front_encoder.encode(m.RankFailed(
+                    self.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the front is gone too: nobody to tell
             raise
         finally:
             self.engine.shutdown()
@@ -147,10 +151,12 @@ class RankLoop:
                                  balancer.balancer.latest_imbalance() if balancer is not None else None))
 
     def _send(self, msg) -> None:
+        """Blocks while the front is slow (no output is dropped); past the socket's send timeout (the group's
+        timeout) the front is taken for gone and the rank fails."""
         try:
-            self.socket.send(m.to_front_encoder.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            logger.warning("rank %d could not reach the front", self.rank)
+            self.socket.send(m.to_front_encoder.encode(msg))
+        except zmq.Again as exc:
+            raise RuntimeError(f"rank {self.rank} could not reach the front within its timeout") from exc
 
 
 def _refused(msg: m.AddRequest, why: str) -> m.WireOutput:
