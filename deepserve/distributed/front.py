@@ -140,9 +140,9 @@ class DataParallelEngine:
         self._closed = True
         for rank in self._identity:
             try:
-                self._send(rank, m.Shutdown())
+                self._send_raw(rank, m.Shutdown())
             except zmq.ZMQError:
-                pass
+                pass  # already gone
         deadline = time.monotonic() + self.shutdown_timeout
         for proc in self.processes:
             proc.join(max(deadline - time.monotonic(), 0))
@@ -181,6 +181,12 @@ class DataParallelEngine:
         return msg
 
     def _send(self, rank: int, msg) -> None:
+        try:
+            self._send_raw(rank, msg)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the rank's connection is gone
+            self._fail(f"rank {rank} is unreachable: {exc}")
+
+    def _send_raw(self, rank: int, msg) -> None:
         self.socket.send_multipart([self._identity[rank], m.to_rank_encoder.encode(msg)])
 
     def _release(self, request_id: str) -> None:
