@@ -195,3 +195,21 @@ def test_function_headers_come_with_their_docstring():
     heads = function_headers(SourceFile("x.py", text))
     assert [h["qualname"] for h in heads] == ["A.m", "f"]
     assert heads[0]["header"] == 'def m(self, x):\n    """Double x.\n\n    More.\n    """\n'
+
+
+def test_a_prompt_that_stops_after_the_docstring_quotes():
+    """The header prompt ends with the docstring's quotes; the completion's first piece ends that line."""
+    header = HEADER.rstrip("\n")
+    assert completion_parses(header, "\n    return a + b\n\ndef g():\n", finished=False)
+    assert function_end(header, "  # same line\n    return 1\nx = 2\n", False) == "  # same line\n    return 1"
+    assert not completion_parses(header, "\n\ndef g():\n    pass\n", finished=False)
+
+
+def test_incremental_greedy_matches_batched_greedy(tiny_model):
+    from deepserve.tools.train_eval import batched_greedy, incremental_greedy
+
+    rng = random.Random(1)
+    prompts = [[0] + [rng.randrange(2, 300) for _ in range(n)] for n in (7, 30)]
+    stop = lambda i, ids: len(ids) >= 5 + 3 * i  # noqa: E731
+    assert incremental_greedy(tiny_model, prompts, 10, eos=1, stop=stop, check_every=2) == \
+        batched_greedy(tiny_model, prompts, 10, eos=1, batch_size=2, stop=stop, check_every=2)

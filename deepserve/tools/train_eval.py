@@ -221,6 +221,37 @@ def batched_loss(model: DeepseekV4ForCausalLM, windows: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
+def incremental_greedy(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]], max_new: int, eos: int,
+                       stop=None, check_every: int = 16) -> list[tuple[list[int], bool]]:
+    """`batched_greedy`'s results through deepserve's inference path (each sequence's own caches, one token a step,
+    finished sequences leave the batch): far less work than recomputing, for a CPU."""
+    device = model.backend.device
+    states = [model.make_state() for _ in prompts]
+    out = model(make_batch([list(p) for p in prompts], [0] * len(prompts), device), states)
+    gens: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    nxt = out.logits.argmax(-1).tolist()
+    live = list(range(len(prompts)))
+    for step in range(max_new):
+        for b, t in zip(live, nxt):
+            if t == eos:
+                ended[b] = True
+            else:
+                gens[b].append(int(t))
+        if stop is not None and (step + 1) % check_every == 0:
+            for b in live:
+                if not ended[b] and stop(b, gens[b]):
+                    ended[b] = True
+        live = [b for b in live if not ended[b]]
+        if not live or step == max_new - 1:
+            break
+        out = model(make_batch([[gens[b][-1]] for b in live], [len(prompts[b]) + len(gens[b]) - 1 for b in live],
+                               device), [states[b] for b in live])
+        nxt = out.logits.argmax(-1).tolist()
+    return [(g, e) for g, e in zip(gens, ended)]
+
+
+@torch.inference_mode()
 def batched_greedy(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]], max_new: int, eos: int,
                    batch_size: int = 64, stop=None, check_every: int = 16) -> list[tuple[list[int], bool]]:
     """Greedy continuations (token ids, ended by `eos`) of every prompt, batched through the training forward
@@ -263,10 +294,13 @@ def batched_greedy(model: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]
 def function_end(header: str, completion: str, finished: bool) -> str:
     """The issue's cut of a completion: up to the first non-blank line that returns to the header's indentation
     level (the function has ended), else the whole completion less a trailing unfinished line (one that the
-    generation's token limit cut off; a completion that ended with EOS is whole)."""
+    generation's token limit cut off; a completion that ended with EOS is whole). When the header does not end
+    with a newline (the prompt stops after the docstring's closing quotes), the completion's first piece finishes
+    the header's last line and is never a line of its own."""
     indent = len(header) - len(header.lstrip(" "))
     lines = completion.split("\n")
-    for i, line in enumerate(lines):
+    first = 0 if header.endswith("\n") else 1
+    for i, line in enumerate(lines[first:], first):
         if line.strip() and len(line) - len(line.lstrip(" ")) <= indent:
             return "\n".join(lines[:i])
     return completion if finished else "\n".join(lines[:-1])

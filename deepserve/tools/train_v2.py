@@ -2,7 +2,7 @@
 MTP block together), DSpark's confidence head, held-out evaluation against v1. Sized for one ~9-minute command on
 one H200; `--smoke` runs the same stages on a CPU in a couple of minutes (a tiny corpus and model, a few steps).
 
-    python -m deepserve.tools.train_v2 run OUT [--device cuda] [--total-budget 530] [--seed 0] [--smoke]
+    python -m deepserve.tools.train_v2 run OUT [--device cuda] [--total-budget 500] [--seed 0] [--smoke]
 
 What OUT gets (only small files, so that a device machine can send them back): the checkpoint's safetensors shards
 (`model-0000k-of-0000n.safetensors`, each under `SHARD_BYTES`) and `bundle.tar.gz` holding everything else: the
@@ -120,8 +120,10 @@ def eval_sets(files: list[corpus.SourceFile], meta: dict, tokenizer_file: Path, 
     for key, path in toks.items():
         tok = tokenizers.Tokenizer.from_file(str(path))
         enc = corpus.v41_encoding(path)
-        for h in headers:
-            h[f"ids_{key}"] = [corpus.BOS, *tok.encode(h["header"], add_special_tokens=False).ids]
+        for h in headers:  # the prompt stops after the docstring's quotes: its newline starts the completion, as
+            # the tokenizer joins a newline to the next line's indentation ("\n    " is one token, "\n" alone starts
+            # a line at column 0)
+            h[f"ids_{key}"] = [corpus.BOS, *tok.encode(h["header"].rstrip("\n"), add_special_tokens=False).ids]
         for c in sets["chat"]:
             c[f"ids_{key}"] = corpus.render_prompt(enc, c["user"], thinking=False)
         sets[f"readme_chat_ids_{key}"] = corpus.render_prompt(enc, README_CHAT, thinking=False)
@@ -213,19 +215,29 @@ def code_loss(model_dir: Path, model, files: list[corpus.SourceFile], window: in
     return res
 
 
+def _generate(model, prompts, max_new, batch, stop, check_every):
+    from .train_eval import batched_greedy, incremental_greedy
+
+    if model.backend.device.startswith("cuda"):
+        return batched_greedy(model, prompts, max_new, corpus.EOS, batch, stop=stop, check_every=check_every)
+    return incremental_greedy(model, prompts, max_new, corpus.EOS, stop=stop, check_every=check_every)
+
+
 def header_eval(model, sets: dict, key: str, max_new: int, batch: int, tokenizer_dir: Path) -> dict:
+    """Greedy completions of the held-out function headers (each prompt: BOS + the header up to its docstring's
+    closing quotes) and the share whose completion up to the function's end parses (`completion_parses`)."""
     from deepserve.model.tokenizer import Tokenizer
 
-    from .train_eval import batched_greedy, completion_parses, function_end
+    from .train_eval import completion_parses, function_end
 
     tok = Tokenizer(tokenizer_dir, model.cfg)
-    headers = sets["headers"]
+    headers = [dict(h, header=h["header"].rstrip("\n")) for h in sets["headers"]]
 
     def ended(i, ids):  # the function has ended once a line returns to the header's level
         text = tok.decode(ids)
         return function_end(headers[i]["header"], text, True) != text
 
-    outs = batched_greedy(model, [h[f"ids_{key}"] for h in headers], max_new, corpus.EOS, batch, stop=ended)
+    outs = _generate(model, [h[f"ids_{key}"] for h in headers], max_new, batch, ended, 16)
     rows = []
     for h, (ids, finished) in zip(headers, outs):
         text = tok.decode(ids)
@@ -238,7 +250,7 @@ def header_eval(model, sets: dict, key: str, max_new: int, batch: int, tokenizer
 def chat_eval(model, sets: dict, key: str, max_new: int, batch: int, tokenizer_dir: Path) -> dict:
     from deepserve.model.tokenizer import Tokenizer
 
-    from .train_eval import batched_greedy, fenced_code_parses
+    from .train_eval import fenced_code_parses
 
     tok = Tokenizer(tokenizer_dir, model.cfg)
 
@@ -246,7 +258,7 @@ def chat_eval(model, sets: dict, key: str, max_new: int, batch: int, tokenizer_d
         return tok.decode(ids).count("```") >= 2
 
     prompts = [c[f"ids_{key}"] for c in sets["chat"]] + [sets[f"readme_chat_ids_{key}"]]
-    outs = batched_greedy(model, prompts, max_new, corpus.EOS, batch, stop=closed, check_every=8)
+    outs = _generate(model, prompts, max_new, batch, closed, 8)
     rows = [dict(user=c["user"], answer=tok.decode(ids), parses=fenced_code_parses(tok.decode(ids)))
             for c, (ids, _) in zip(sets["chat"], outs)]
     readme_ids, _ = outs[-1]
@@ -317,7 +329,7 @@ def bundle(out: Path, work: Path) -> None:
 
 
 def run(out: Path, device: str, seed: int, total_budget: float, smoke: bool, steps: int | None = None,
-        package_mb: float = 4.0, processes: int | None = None, reserve: float = 150.0) -> dict:
+        package_mb: float = 4.0, processes: int | None = None, reserve: float = 240.0) -> dict:
     import os
 
     from .train_confidence import fit
@@ -415,6 +427,8 @@ def run(out: Path, device: str, seed: int, total_budget: float, smoke: bool, ste
         _write_heldout(model_dir, model, data, seed)
 
     def old_model():
+        if deadline - time.time() < 60:
+            raise TimeoutError(f"no time left for v1's evaluation ({deadline - time.time():.0f} s)")
         m1 = _load(v1, device)
         e1 = metrics["eval_v1"] = {}
         e1["code_256"] = code_loss(v1, m1, held, 256, batch)
@@ -431,7 +445,7 @@ def run(out: Path, device: str, seed: int, total_budget: float, smoke: bool, ste
             raise TimeoutError(f"no time left for the confidence head ({left:.0f} s)")
         rec = fit(model_dir, model_dir / "confidence_head.safetensors", held, device,
                   train_prompts=512 if cuda else 16, eval_prompts=128 if cuda else 8, batch_size=64 if cuda else 8,
-                  num_tokens=16 if cuda else 8, epochs=30 if cuda else 3, seed=seed,
+                  context=128 if cuda else 32, num_tokens=16 if cuda else 8, epochs=30 if cuda else 3, seed=seed,
                   time_budget=left if cuda else None, exact=False)
         (logs / "train_confidence.json").write_text(json.dumps(rec, indent=1) + "\n")
         metrics["confidence"] = {k: rec[k] for k in ("rows", "seconds", "files")}
@@ -474,6 +488,34 @@ def _write_heldout(model_dir: Path, model, data: dict, seed: int) -> None:
     (model_dir / "heldout.json").write_text(json.dumps(heldout) + "\n")
 
 
+def header_ids(sets: dict, key: str, tokenizer_file: Path) -> None:
+    """(Re)tokenize the header prompts of `sets` for one tokenizer (BOS + header up to its docstring's quotes)."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    for h in sets["headers"]:
+        h[f"ids_{key}"] = [corpus.BOS, *tok.encode(h["header"].rstrip("\n"), add_special_tokens=False).ids]
+
+
+def evaluate_generation(model_dir: Path, sets_file: Path, key: str, device: str, out: Path, num_chat: int | None,
+                        max_new: int = 256, chat_max_new: int = 320) -> dict:
+    """The header and chat evaluations of one checkpoint on a saved `eval_sets.json` (e.g. on a CPU after a device
+    run, or for v1 with `--key v1`), written to `out`."""
+    sets = json.loads(sets_file.read_text())
+    header_ids(sets, key, model_dir / "tokenizer.json")
+    if num_chat is not None:
+        sets["chat"] = sets["chat"][:num_chat]
+    model = _load(model_dir, device)
+    res = dict(model=str(model_dir), key=key, device=device,
+               headers=header_eval(model, sets, key, max_new, 100, model_dir))
+    print(f"{key}: headers {res['headers']['parse_rate']:.0%} parse", file=sys.stderr)
+    if num_chat != 0:
+        res["chat"] = chat_eval(model, sets, key, chat_max_new, 101, model_dir)
+        print(f"{key}: chat {res['chat']['parse_rate']:.0%} parse", file=sys.stderr)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -481,13 +523,24 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("out", type=Path)
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--total-budget", type=float, default=530.0, help="seconds for the whole run")
-    r.add_argument("--reserve", type=float, default=150.0, help="seconds kept for evaluation and the head")
+    r.add_argument("--total-budget", type=float, default=500.0, help="seconds for the whole run")
+    r.add_argument("--reserve", type=float, default=240.0,
+                   help="seconds kept for evaluation and the head (the H200 run: evaluation 137 s, the head ~100)")
     r.add_argument("--steps", type=int, default=None, help="training steps (default: fit the time left)")
     r.add_argument("--package-mb", type=float, default=4.0, help="text cap per package (MB)")
     r.add_argument("--processes", type=int, default=None)
     r.add_argument("--smoke", action="store_true", help="a tiny corpus and model, for a CPU check of every stage")
+    e = sub.add_parser("eval", help="the header and chat evaluations of a checkpoint on a saved eval_sets.json")
+    e.add_argument("model_dir", type=Path)
+    e.add_argument("eval_sets", type=Path)
+    e.add_argument("out", type=Path)
+    e.add_argument("--key", default="v2", help="whose prompt ids to use (v2, or v1 for the old tokenizer)")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--num-chat", type=int, default=None, help="chat requests to run (default all; 0: none)")
     args = ap.parse_args(argv)
+    if args.cmd == "eval":
+        evaluate_generation(args.model_dir, args.eval_sets, args.key, args.device, args.out, args.num_chat)
+        return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no GPU")
     if args.smoke and args.steps is None:
