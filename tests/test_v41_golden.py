@@ -1,6 +1,6 @@
-"""deepserve's V4.1 against the committed golden directory made by DeepSeek's own reference
-(deepserve/tools/v41_golden.py), by the layer-forced protocol of ../shared/v41-golden-format.md, and the checker
-itself against deliberate bugs."""
+"""deepserve's V4.1 against the committed golden directories made by DeepSeek's own reference
+(deepserve/tools/v41_golden.py), by the layer-forced protocol of ../shared/v41-golden-format.md, and the checker's
+command line (the deliberate bugs it must catch are in test_v41_mutations.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepserve.model.v41 import load_v41
-from deepserve.model.v41 import model as v41_model
 from deepserve.tools import golden_check
 
 GOLDENS = Path(__file__).parent / "golden" / "v41"
@@ -23,10 +22,6 @@ GOLDEN = GOLDENS / "tiny_a"
 def model():
     torch.set_num_threads(1)
     return load_v41(GOLDEN / "tiny")
-
-
-def failing(rep: golden_check.Report) -> set[str]:
-    return {r.check for r in rep.rows if not r.ok}
 
 
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
@@ -53,32 +48,6 @@ def test_exact_envelope_also_holds(model):
     """deepserve reproduces the reference's kernels, so it is held to the tie members' envelope too."""
     rep = golden_check.run(GOLDEN, "exact", model=model, prompts={1}, end_to_end=False)
     assert rep.ok, rep.table()
-
-
-def test_engram_switched_off_is_caught(model, monkeypatch):
-    monkeypatch.setattr(v41_model.Engram, "forward", lambda self, x, ids: x)
-    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
-    assert "forced prefill L1 relRMS" in bad and "forced prefill L2 relRMS" in bad
-
-
-def test_unshifted_mhc_is_caught(model, monkeypatch):
-    """Attention collapsing with its own site's pre (V4's schedule) instead of the previous FFN site's."""
-    def unshifted(self, x, pre, attend):
-        a_pre, _, _ = self._mix(x, self.hc_attn)
-        return original(self, x, a_pre, attend)
-
-    original = v41_model.Block.forward
-    monkeypatch.setattr(v41_model.Block, "forward", unshifted)
-    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
-    assert any(name.startswith("forced prefill L") for name in bad)
-
-
-def test_ignoring_the_candidate_filter_is_caught(model, monkeypatch):
-    from deepserve.model.v41 import attention
-
-    monkeypatch.setattr(attention, "candidate_mask", lambda s, v, k, b: torch.ones_like(s, dtype=torch.bool))
-    bad = failing(golden_check.run(GOLDEN, "all", model=model, prompts={1}, end_to_end=False))
-    assert "topk rows L6 (rows differing)" in bad
 
 
 def test_cli_exit_codes(tmp_path, capsys):
