@@ -63,8 +63,6 @@ def run_way(way: str, model: str, options: dict, prompts, params, repeat: int) -
         llm = LLM(model, async_scheduling=False, **options)
         engine, steps = llm.engine, lambda: llm.engine.stats.step_seconds
     elif way == "rank":
-        import torch.distributed as dist
-
         from deepserve.distributed.launch import RankContext, dist_backend, free_port, init_process_group
 
         port = free_port()
