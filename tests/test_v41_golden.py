@@ -62,3 +62,25 @@ def test_cli_exit_codes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "forced decode L3 relRMS" in out and "FAIL" in out
     assert (tmp_path / "rows.json").is_file()
+
+
+def test_a_directory_without_envelopes_is_held_to_the_formats_numbers(tmp_path):
+    """The minimal format (refs, logits, layers; no envelope sections, top-k rows as lists) is still checked:
+    the limits fall back to the spreads the golden format reports."""
+    import json
+
+    root = tmp_path / "minimal"
+    shutil.copytree(GOLDENS / "tiny_b", root)
+    doc = json.loads((root / "reference.json").read_text())
+    for key in ("layer_forced", "end_to_end_sharpness", "dspark_seed_consistency", "topk_boundary_ties"):
+        doc.pop(key, None)
+    for ref in doc["refs"]:
+        for key in ("envelope", "envelope_members", "consistency"):
+            ref.pop(key, None)
+        for step in ref["decode_steps"]:
+            step["topk_rows"] = list(step["topk_rows"].values())
+    (root / "reference.json").write_text(json.dumps(doc))
+    rep = golden_check.run(root, "all", prompts={0})
+    assert rep.ok, rep.table()
+    assert any(r.note == "doc envelope" for r in rep.rows)
+    assert any(r.check == "decode topk rows (steps differing)" for r in rep.rows)
