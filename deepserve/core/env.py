@@ -38,6 +38,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "when --api-key is not given.",
         ),
         EnvVar(
+            "DEEPSERVE_DIST_BACKEND",
+            None,
+            "The torch.distributed backend of data- and expert-parallel ranks: `nccl` or `gloo` (default: NCCL "
+            "where CUDA GPUs are visible, else gloo; NCCL without a GPU is refused). docs/distributed.md.",
+        ),
+        EnvVar(
             "DEEPSERVE_BATCH_INVARIANT",
             None,
             "`1`: batch-invariant ops on every backend (NVIDIA: its reference ops on the GPU, slow); `0`: the "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from deepserve.core.config import EngineConfig
+from deepserve.core.env import env_value
 
 DIST_BACKENDS = ("gloo", "nccl")
 
@@ -53,7 +54,7 @@ def dist_backend(device: str | None) -> str:
     """NCCL on GPUs, gloo on CPUs; `DEEPSERVE_DIST_BACKEND` overrides (NCCL without a GPU is refused)."""
     import torch
 
-    chosen = os.environ.get("DEEPSERVE_DIST_BACKEND", "").strip().lower()
+    chosen = (env_value("DEEPSERVE_DIST_BACKEND") or "").strip().lower()
     if chosen and chosen not in DIST_BACKENDS:
         raise ValueError(f"DEEPSERVE_DIST_BACKEND must be one of {list(DIST_BACKENDS)}, got {chosen!r}")
     gpu = torch.cuda.is_available() and (device is None or not device.startswith("cpu"))
