@@ -15,7 +15,8 @@ A step's counts are Poisson draws of tokens_per_rank x EP x 6 expert assignments
 
 Policies: none = experts e*E/G.. on GPU g, no replicas; static = EPLB's placement from the first window (a profile
 run), never changed; eplb = the same start, then ExpertLoadBalancer's reassignments (prefill: 4 redundant experts
-per GPU, 100-step window, every 1,000 steps; decode: 1, 1,000, 10,000). Steps after the first window are
+per GPU, 100-step window, every 1,000 steps; decode: 1, 1,000, 10,000); eplb_gated = the same with
+min_rebalancing_utilization_threshold 0.98 (a layer is re-placed only when its window's imbalance passes ~1.02). Steps after the first window are
 measured (every 5th prefill step of 10,000, every 20th decode step of 40,000). V4 has no expert groups, so the
 node count does not change the placement.
 
@@ -27,6 +28,7 @@ node count does not change the placement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -47,6 +49,7 @@ from deepserve.core.balance import EplbConfig, ExpertLoadBalancer, Placement  # 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 43, 256, 6
 EP_SIZES = (2, 4, 8, 16, 64)
 ZIPF_EXPONENT, DRIFT_SIGMA = 0.6, 1.0
+GATED_UTILIZATION = 0.98  # eplb_gated re-places a layer only below this utilization (imbalance above ~1.02)
 # DeepSeek's reported imbalance (production traffic, DeepInfer): EP2/DP2 and EP4/DP4 prefill, decode (EP64-128)
 DEEPSEEK = {"prefill": {2: 1.045, 4: 1.074}, "decode": {"EP64-128": 1.090}}
 
@@ -189,22 +192,25 @@ def simulate(phase: Phase, source, ep: int, seed: int) -> dict:
 
     profile = draw(1, w).sum(0)
     static = Placement.from_loads(profile.tolist(), ep, cfg.redundant_experts_per_gpu * ep)
-    balancer = ExpertLoadBalancer(cfg, NUM_LAYERS, NUM_EXPERTS, ep, initial=static)
-    balancer.observe(None, w)  # the profile steps precede the first window (2 * window <= interval)
-    evaluators = {"none": Evaluator(Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)),
-                  "static": Evaluator(static)}
-    current, current_eval = static, evaluators["static"]  # the balancer's placement and its evaluator
-    sums = {k: 0.0 for k in ("none", "static", "eplb")}
+    gated_cfg = dataclasses.replace(cfg, min_rebalancing_utilization_threshold=GATED_UTILIZATION)
+    balancers = {"eplb": ExpertLoadBalancer(cfg, NUM_LAYERS, NUM_EXPERTS, ep, initial=static),
+                 "eplb_gated": ExpertLoadBalancer(gated_cfg, NUM_LAYERS, NUM_EXPERTS, ep, initial=static)}
+    for b in balancers.values():
+        b.observe(None, w)  # the profile steps precede the first window (2 * window <= interval)
+    balancer = balancers["eplb"]
+    fixed = {"none": Evaluator(Placement.contiguous(NUM_LAYERS, NUM_EXPERTS, ep)), "static": Evaluator(static)}
+    current = {name: (static, fixed["static"]) for name in balancers}  # each balancer's placement, evaluator
+    sums = {k: 0.0 for k in ("none", "static", *balancers)}
     expected = {k: 0.0 for k in sums}
+    moved = {name: 0 for name in balancers}
     timeline, measured = [], 0
     interval_sum, interval_n = 0.0, 0
     while balancer.step < phase.steps:
         n = min(balancer.max_steps_per_observe, phase.steps - balancer.step, 500)
         first = balancer.step + 1
-        placement = balancer.placement
         if balancer.needs_counts:
             counts = draw(first, n)
-            window_part = counts.sum(0)
+            window_part = counts.sum(0).tolist()
             picked = np.arange(n)[(np.arange(first, first + n) % phase.stride) == 0]
             sample, sample_steps = counts[picked], np.arange(first, first + n)[picked]
         else:
@@ -213,29 +219,37 @@ def simulate(phase: Phase, source, ep: int, seed: int) -> dict:
             sample_steps = sample_steps[sample_steps % phase.stride == 0]
             sample = draw_at(rng, assignments, source, sample_steps)
         if len(sample_steps):
-            if placement is not current:
-                current, current_eval = placement, Evaluator(placement)
-            ev = current_eval
+            evaluators = dict(fixed)
+            for name, b in balancers.items():
+                if b.placement is not current[name][0]:
+                    current[name] = (b.placement, Evaluator(b.placement))
+                evaluators[name] = current[name][1]
             probs = source.at(sample_steps)
-            for name, e in (("none", evaluators["none"]), ("static", evaluators["static"]), ("eplb", ev)):
-                sums[name] += float(e(sample).sum())
+            for name, e in evaluators.items():
+                per_step = e(sample)
+                sums[name] += float(per_step.sum())
                 expected[name] += float(e(probs).sum())
-            step_imb = ev(sample).mean()
-            interval_sum += float(step_imb) * len(sample_steps)
+                if name == "eplb":
+                    interval_sum += float(per_step.mean(1).sum())
             interval_n += len(sample_steps)
             measured += len(sample_steps)
-        balancer.observe(None if window_part is None else window_part.tolist(), n)
+        for b in balancers.values():
+            b.observe(window_part, n)
         if balancer.step % cfg.step_interval == 0 and interval_n:
+            for name, b in balancers.items():
+                moved[name] += b.last_rebalance.num_moved_slots
             report = balancer.last_rebalance
             timeline.append({"step": balancer.step, "eplb_mean_imbalance_since_last": round(interval_sum / interval_n, 4),
                              "window_imbalance_before": round(float(np.mean(report.imbalance_before)), 4),
                              "window_imbalance_after": round(float(np.mean(report.imbalance_after)), 4),
-                             "moved_slots": report.num_moved_slots})
+                             "moved_slots": report.num_moved_slots,
+                             "gated_moved_slots": balancers["eplb_gated"].last_rebalance.num_moved_slots})
             interval_sum, interval_n = 0.0, 0
     denom = measured * NUM_LAYERS
     return {"mean_imbalance": {k: round(v / denom, 4) for k, v in sums.items()},
             "noise_free_imbalance": {k: round(v / denom, 4) for k, v in expected.items()},
-            "measured_steps": measured, "num_rebalances": balancer.num_rebalances, "timeline": timeline}
+            "measured_steps": measured, "num_rebalances": balancer.num_rebalances, "moved_slots": moved,
+            "timeline": timeline}
 
 
 def draw_at(rng, assignments: int, source, steps: np.ndarray) -> np.ndarray:
@@ -266,8 +280,9 @@ def plot(results: list[dict], path: Path) -> None:
             ax = axes[row][col]
             rows = sorted((r for r in results if r["phase"] == phase and r["source"] == source), key=lambda r: r["ep"])
             eps = [r["ep"] for r in rows]
-            for policy, style in (("none", "o-"), ("static", "s--"), ("eplb", "^-")):
-                ax.plot(eps, [r["mean_imbalance"][policy] for r in rows], style, label=policy)
+            for policy, style in (("none", "o-"), ("static", "s--"), ("eplb", "^-"), ("eplb_gated", "x:")):
+                if all(policy in r["mean_imbalance"] for r in rows):
+                    ax.plot(eps, [r["mean_imbalance"][policy] for r in rows], style, label=policy)
             for ep, value in DEEPSEEK["prefill"].items() if phase == "prefill" else ():
                 ax.plot([ep], [value], "k*", markersize=11, label="DeepSeek (production)" if ep == 2 else None)
             if phase == "decode":

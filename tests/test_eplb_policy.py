@@ -123,3 +123,20 @@ def test_bad_calls_are_named():
         ExpertLoadBalancer(EplbConfig(), 2, 4, 2, initial=Placement.contiguous(1, 4, 2))
     with pytest.raises(ValueError, match="not a multiple of num_gpus"):
         ExpertLoadBalancer(EplbConfig(redundant_experts_per_gpu=1), 2, 5, 2)
+
+
+def test_utilization_threshold_keeps_balanced_layers():
+    # layer 0 stays balanced under the start placement, layer 1 gets one hot expert
+    config = EplbConfig(2, 4, 1, min_rebalancing_utilization_threshold=0.9)
+    balancer = ExpertLoadBalancer(config, num_layers=2, num_experts=4, num_gpus=2)
+    start = balancer.placement
+    even = start.logical_counts([[10.0] * 6] * 2)[0]  # 10 tokens per slot: every GPU equal under `start`
+    for _ in range(4):
+        new = balancer.observe([even, [40.0, 1.0, 1.0, 1.0]])
+    report = balancer.last_rebalance
+    assert report.imbalance_before[0] == pytest.approx(1.0) and report.imbalance_before[1] > 1 / 0.9
+    assert new is not None and new.phy2log[0] == start.phy2log[0] and new.phy2log[1] != start.phy2log[1]
+    assert report.moved_slots[0] == () and report.moved_slots[1]
+    assert balancer.placement.logcnt[1] == (3, 1, 1, 1) and report.imbalance_after[1] < report.imbalance_before[1]
+    with pytest.raises(ValueError, match="min_rebalancing_utilization_threshold must be in"):
+        EplbConfig(min_rebalancing_utilization_threshold=1.5)

@@ -38,11 +38,17 @@ from .placement import Placement
 @dataclass(frozen=True, slots=True)
 class EplbConfig:
     """EPLB options. `redundant_experts_per_gpu` times the EP size is vLLM's `num_redundant_experts`;
-    `window_size` and `step_interval` are vLLM's `EPLBConfig` fields. Defaults: DeepInfer's prefill settings."""
+    `window_size` and `step_interval` are vLLM's `EPLBConfig` fields. Defaults: DeepInfer's prefill settings.
+
+    `min_rebalancing_utilization_threshold` (SGLang's `--eplb-min-rebalancing-utilization-threshold`, applied
+    per layer here): a reassignment re-places only the layers whose window utilization under the current
+    placement (mean GPU load over the most loaded GPU's, i.e. 1 / imbalance) is at or below it; the others keep
+    their slots and move no weights. 1.0 (the default, DeepInfer's behaviour) re-places every layer."""
 
     window_size: int = 100
     step_interval: int = 1000
     redundant_experts_per_gpu: int = 4
+    min_rebalancing_utilization_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("window_size", "step_interval"):
@@ -52,6 +58,9 @@ class EplbConfig:
         value = self.redundant_experts_per_gpu
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"EplbConfig.redundant_experts_per_gpu must be an int >= 0, got {value!r}")
+        value = self.min_rebalancing_utilization_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"EplbConfig.min_rebalancing_utilization_threshold must be in [0, 1], got {value!r}")
 
     @classmethod
     def prefill(cls) -> EplbConfig:
@@ -191,7 +200,11 @@ class ExpertLoadBalancer:
         if not any(any(row) for row in window):  # an idle window says nothing about the loads: keep the placement
             self.last_rebalance = RebalanceReport(due, before, before, ((),) * self.num_layers)
             return None
+        threshold = self.config.min_rebalancing_utilization_threshold
+        redo = [layer for layer, imbalance in enumerate(before) if 1.0 / imbalance <= threshold]
         new = self._place(window).aligned_to(self.placement)
+        if len(redo) < self.num_layers:  # the well-balanced layers keep their slots
+            new = self.placement.with_layers_from(new, redo)
         moved = tuple(tuple(layer) for layer in self.placement.changed_slots(new))
         self.last_rebalance = RebalanceReport(due, before, tuple(new.imbalance(window)), moved)
         if not any(moved):

@@ -139,6 +139,19 @@ class Placement:
             log2phy.append(l2p)
         return Placement(tuple(phy2log), tuple(log2phy), self.logcnt, self.num_gpus, self.num_nodes)
 
+    def with_layers_from(self, other: Placement, layers: Sequence[int]) -> Placement:
+        """This placement with the rows of `layers` taken from `other` (a reassignment of some layers only)."""
+        if (other.num_layers, other.num_physical_experts, other.num_gpus, other.num_nodes) != (
+                self.num_layers, self.num_physical_experts, self.num_gpus, self.num_nodes):
+            raise ValueError("placements of different shapes (layers, slots, GPUs, nodes) cannot be mixed")
+        chosen = set(layers)
+        pick = [other if layer in chosen else self for layer in range(self.num_layers)]
+        width = max(max(p.logcnt[layer]) for layer, p in enumerate(pick))
+        log2phy = tuple(tuple(row[:width] + (-1,) * (width - len(row)) for row in p.log2phy[layer])
+                        for layer, p in enumerate(pick))
+        return Placement(tuple(p.phy2log[layer] for layer, p in enumerate(pick)), log2phy,
+                         tuple(p.logcnt[layer] for layer, p in enumerate(pick)), self.num_gpus, self.num_nodes)
+
     def _check_counts(self, counts: object) -> list[list[float]]:
         rows = as_load_rows(counts)
         if len(rows) != self.num_layers or len(rows[0]) != self.num_logical_experts:
