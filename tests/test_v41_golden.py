@@ -44,12 +44,6 @@ def test_golden_directory_passes_every_check(name):
             "e2e greedy tokens (stable steps differing)"} <= names
 
 
-def test_exact_envelope_also_holds(model):
-    """deepserve reproduces the reference's kernels, so it is held to the tie members' envelope too."""
-    rep = golden_check.run(GOLDEN, "exact", model=model, prompts={1}, end_to_end=False)
-    assert rep.ok, rep.table()
-
-
 def test_cli_exit_codes(tmp_path, capsys):
     assert golden_check.main([str(tmp_path)]) == 2  # not a golden directory
     assert "reference.json is missing" in capsys.readouterr().err
