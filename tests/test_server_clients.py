@@ -340,7 +340,8 @@ def test_errors_map_to_the_clients_exceptions(clients, name):
 # -- schemathesis against the live /openapi.json ---------------------------------------------------------------------
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("POST", "/v1/messages"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
-              ("HEAD", "/health"), ("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/openapi.json")]
+              ("HEAD", "/health"), ("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/openapi.json"),
+              ("POST", "/tokenize"), ("POST", "/detokenize")]
 #: operations with inputs get negative (document-breaking) data as well
 FUZZ = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
        [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST" or "{" in p]
@@ -368,7 +369,7 @@ def validate(case, response, checks, headers) -> None:
 def realistic(case, path: str) -> None:
     """Generated bodies, nudged so that they reach the engine without running it long: the served model's name
     (any other is a 404), a short output (4 tokens where the body asks for more, or does not say: the default is
-    the rest of the context), chat messages with some content (and a tool message with a `tool_call_id`), a
+    the rest of the context), at most 2 choices, chat messages with some content (and a tool message with a `tool_call_id`), a
     Responses input: the document leaves these optional, the recipe does not. Other values the document allows
     but the server refuses (a 400, which the document lists) are left alone."""
     body = case.body
@@ -376,6 +377,10 @@ def realistic(case, path: str) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
+    if not path.startswith("/v1/"):
+        return  # /tokenize and /detokenize generate nothing
+    if type(body.get("n")) is int and body["n"] > 2:
+        body["n"] = 2  # each choice is an engine request: a valid n of 128 runs 128 of them
     key = TOKEN_LIMIT.get(path, "max_tokens")
     value = body.get(key)
     if (key not in body and path != "/v1/messages") or value is None or \
