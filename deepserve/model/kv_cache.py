@@ -225,6 +225,7 @@ class PagedKVCache:
             raise ValueError(f"slot {slot} is not in use")
         self._free_slots.append(slot)
 
+
 # -- pages to and from host memory (the cache tiers: deepserve.core.kv.tiers) -----------------------------------
 def page_pools(cache: PagedKVCache) -> dict[str, list[torch.Tensor]]:
     """What one page holds, as the block stores' pools: name -> the tensors indexed by page on their first axis, in
