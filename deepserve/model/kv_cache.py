@@ -101,7 +101,7 @@ class _LayerPools:
     ring row (slot, position) is storage row slot * window + position % window, compressed row r of a sequence
     with block table t is `comp_base + t[r // rpp] * rpp + r % rpp`, and the step's new rows start at
     `scratch_base`. Attention then indexes keys by these global row numbers with no copy of the pools (the
-    decode fast path, `Attention._paged_key_pool`)."""
+    paged layout, `layouts.paged`)."""
 
     def __init__(self, spec: LayerStateSpec, num_pages, page_size, num_slots, dtype, device,
                  scratch_rows: int = 0) -> None:
