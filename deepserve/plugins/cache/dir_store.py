@@ -36,6 +36,12 @@ from urllib.parse import parse_qs, urlsplit
 from deepserve.core.kv.store import BlockKey, BlockStore, StoreStats
 
 TTL_DAYS = {"agent": 3, "chat": 7}
+
+
+def check_ttl_class(ttl_class: str) -> None:
+    """Refuse a retention class that is not one of `TTL_DAYS`'s, naming the known ones."""
+    if ttl_class not in TTL_DAYS:
+        raise ValueError(f"ttl_class must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
 DAY = 86400
 _HEADER = struct.Struct("<4sQI")  # magic, payload length, crc32
 _MAGIC = b"DSKV"
@@ -72,8 +78,7 @@ class DirStore(BlockStore):
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if not 0 < low < high <= 1:
             raise ValueError(f"the watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
-        if ttl_class not in TTL_DAYS:
-            raise ValueError(f"ttl_class must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
+        check_ttl_class(ttl_class)
         self.root, self.capacity_bytes, self.high, self.low = Path(root), capacity_bytes, high, low
         self.ttl_class, self.clock = ttl_class, clock
         self.root.mkdir(parents=True, exist_ok=True)
@@ -217,8 +222,7 @@ class DirStore(BlockStore):
 
     async def put_many(self, items, ttl_class: str | None = None) -> int:
         ttl_class = ttl_class or self.ttl_class
-        if ttl_class not in TTL_DAYS:
-            raise ValueError(f"ttl_class must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
+        check_ttl_class(ttl_class)
 
         def run() -> int:
             if self._num_bytes is None:

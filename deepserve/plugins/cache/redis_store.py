@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from deepserve.core.kv.store import BlockKey, BlockStore, StoreStats
-from deepserve.plugins.cache.dir_store import DAY, TTL_DAYS
+from deepserve.plugins.cache.dir_store import DAY, TTL_DAYS, check_ttl_class
 
 _OWN_OPTIONS = ("ttl_class", "key_prefix")
 
@@ -95,8 +95,7 @@ class RedisStore(BlockStore):
 
     async def put_many(self, items, ttl_class: str | None = None) -> int:
         ttl_class = ttl_class or self.ttl_class
-        if ttl_class not in TTL_DAYS:
-            raise ValueError(f"ttl_class must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
+        check_ttl_class(ttl_class)
         if not items:
             return 0
         pipe = self.client.pipeline(transaction=False)
