@@ -196,7 +196,12 @@ def test_a_restarted_engine_hits_the_dir_store_with_identical_outputs(tiny_dir, 
         path.write_bytes(corrupt[path])
     third = make_llm(tiny_dir, kv_store=uri)
     outs = run(third, items)
-    assert tokens(outs) == expected and [o.num_cached_tokens for o in outs] == [0, 0]  # misses; correct outputs
+    assert tokens(outs) == expected  # every block a miss; correct outputs
+    store = third.engine.snapshot().kv_tiers["store"]
+    assert store.num_hit_tokens == 0 and store.num_hit_bytes == 0
+    # the second prompt may still hit the first's shared page on the GPU once that page is computed: its lookup
+    # in the store can finish after the first prompt's prefill, so 0 or P, never more
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens in (0, P)
     third.engine.shutdown()
     assert all(path.read_bytes() != corrupt[path] for path in files)  # each bad file went; recomputed, written anew
 

@@ -122,6 +122,7 @@ def demo_dir(tmp_path_factory) -> Path:
 
 def make_llm(path, **kw) -> LLM:
     kw.setdefault("block_size", 128)
+    kw.setdefault("grammar_compile_timeout", 120.0)  # outlines needs >10 s for the nested schema on a loaded CI core
     return LLM(path, dtype="float32", accelerator="cpu", **kw)
 
 

@@ -70,8 +70,7 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
                        param="logprobs")
     echo = bool(body.get("echo"))
     prompts = _prompts(body.get("prompt"), model)
-    max_tokens = body.get("max_tokens", 16)
-    prompt_only = max_tokens == 0  # with echo (validation.py): the engine computes the prompt and samples nothing
+    max_tokens = body.get("max_tokens", 16)  # 0 only with echo (validation.py): the prompt alone, nothing sampled
     longest = max(len(ids) for _, ids in prompts)
     if type(max_tokens) is int and longest + max_tokens > model.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "

@@ -21,7 +21,7 @@ from aiohttp import web
 from deepserve.core.async_engine import EngineDeadError
 from deepserve.server.admission import SHUTDOWN_CODE, Ticket
 from deepserve.server.errors import ApiError
-from deepserve.server.generation import _stream_error, _Translator
+from deepserve.server.generation import Translator, stream_error
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.recipe import Prepared
 from deepserve.server.state import ENGINE, METRICS, MODEL
@@ -42,7 +42,7 @@ async def serve_choices(request: web.Request, prepared: Prepared, ticket: Ticket
         prepared.processor.close()
         raise
     eos = request.app[MODEL].eos_token_ids
-    translators = [_Translator(p, eos, request.app[METRICS].timer()) for p in siblings]
+    translators = [Translator(p, eos, request.app[METRICS].timer()) for p in siblings]
     failure = None
     try:
         return await _run(request, siblings, translators, ticket)
@@ -56,7 +56,7 @@ async def serve_choices(request: web.Request, prepared: Prepared, ticket: Ticket
             t.timer.finish(t.reason if t.done or t.failed else failure or "abort")
 
 
-async def _run(request: web.Request, siblings: list[Prepared], translators: list[_Translator],
+async def _run(request: web.Request, siblings: list[Prepared], translators: list[Translator],
                ticket: Ticket) -> web.StreamResponse:
     engine, model = request.app[ENGINE], request.app[MODEL]
     first = siblings[0]
@@ -131,7 +131,7 @@ async def _run(request: web.Request, siblings: list[Prepared], translators: list
     except ApiError as error:
         if sse is None:
             raise
-        await sse.write(_stream_error(first, error))
+        await sse.write(stream_error(first, error))
         for t in translators:
             t.failed, t.reason = True, "abort" if error.code == SHUTDOWN_CODE else "error"
         await sse.write_eof()

@@ -44,7 +44,7 @@ async def serve_prepared(request: web.Request, prepared: Prepared, ticket: Ticke
     timer = request.app[METRICS].timer()
     reason = "abort"  # unless the request ends normally: the client left or the handler was cancelled
     try:
-        response, reason = await _run(request, prepared, _Translator(prepared, request.app[MODEL].eos_token_ids, timer))
+        response, reason = await _run(request, prepared, Translator(prepared, request.app[MODEL].eos_token_ids, timer))
         return response
     except ApiError as error:
         reason = "abort" if error.code == SHUTDOWN_CODE else "error"
@@ -53,8 +53,9 @@ async def serve_prepared(request: web.Request, prepared: Prepared, ticket: Ticke
         timer.finish(reason)
 
 
-class _Translator:
-    """Engine outputs (cumulative snapshots) -> the new tokens -> the processor's protocol events."""
+class Translator:
+    """Engine outputs (cumulative snapshots) -> the new tokens -> the processor's protocol events (one choice's:
+    `deepserve.server.fanout` keeps one per choice of an `n` > 1 request)."""
 
     def __init__(self, prepared: Prepared, eos_token_ids: Sequence[int], timer: RequestTimer) -> None:
         self.processor, self.params = prepared.processor, prepared.params
@@ -97,7 +98,8 @@ class _Translator:
         return self.processor.finished
 
 
-async def _run(request: web.Request, prepared: Prepared, translator: _Translator) -> tuple[web.StreamResponse, str]:
+async def _run(request: web.Request, prepared: Prepared,
+               translator: Translator) -> tuple[web.StreamResponse, str]:
     engine, model = request.app[ENGINE], request.app[MODEL]
     response_type = prepared.protocol.response_type
     sse: web.StreamResponse | None = None
@@ -130,7 +132,7 @@ async def _run(request: web.Request, prepared: Prepared, translator: _Translator
         except ApiError as error:
             if sse is None:
                 raise
-            await sse.write(_stream_error(prepared, error))
+            await sse.write(stream_error(prepared, error))
             translator.failed = True
             translator.reason = "abort" if error.code == SHUTDOWN_CODE else "error"
         finally:
@@ -172,7 +174,7 @@ def _logprobs(token_ids: Sequence[int], entries: list[PositionLogprobs] | None, 
     return result
 
 
-def _stream_error(prepared: Prepared, error: ApiError) -> bytes:
+def stream_error(prepared: Prepared, error: ApiError) -> bytes:
     """An error inside an already started stream, as the protocol spells one."""
     if prepared.protocol is RESPONSES:
         data = {"type": "error", "code": ERROR_TYPES.get(error.status, "server_error"), "message": error.message,

@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
     from deepserve.server.state import ModelInfo
 
 _present: Callable[[Any], bool] = lambda v: v is not None  # noqa: E731
-_nonzero: Callable[[Any], bool] = lambda v: v not in (None, 0, 0.0)  # noqa: E731
 _nonempty: Callable[[Any], bool] = lambda v: bool(v)  # noqa: E731
 
 

@@ -102,7 +102,7 @@ def tool_call_grammar(functions: Sequence[Mapping[str, Any]], dsml_id: int | Non
             rule = f"p_{i}_{j}"
             parts.append(rule if prop in required else f"{rule}?")
             lines += _parameter(rule, prop, schema if isinstance(schema, dict) else {}, d)
-        head = _lit(f'<') + f" {d} " + _lit(f'invoke name="{name}">\n')
+        head = _lit("<") + f" {d} " + _lit(f'invoke name="{name}">\n')
         tail = _lit("</") + f" {d} " + _lit("invoke>\n")
         lines.append(f"invoke_{i}: {head} {' '.join(parts)} {tail}")
     return "\n".join(lines) + "\n"
