@@ -86,3 +86,19 @@ def test_asynchronous_plans_verify_the_running_steps_drafts_as_placeholders():
     assert request.output_token_ids == [50, 51, 70, 71, 72, 80]
     assert (request.num_computed_tokens, request.num_pending_tokens, request.num_inflight_verifies) == (15, 0, 0)
     assert scheduler.schedule().chunks[0].token_ids == (80, 81, 82, 83, 84)
+
+
+def test_a_request_preempted_while_its_placeholder_drafts_are_verified_keeps_the_kept_ones():
+    """Asynchronous scheduling: step N+1 verifies N's drafts as placeholders; the request is preempted before N+1's
+    update. That update reads the kept drafts from the request (the runner knew them): none may be lost."""
+    scheduler, request, kv = make()
+    plan_n = scheduler.schedule()  # verifies 51..54 after token 50
+    request.num_drafts_in_flight = 4
+    plan_next = scheduler.schedule()  # verifies N's drafts, unknown yet
+    scheduler.update_from_output(plan_n, {"r": 70}, num_accepted={"r": 1}, drafts={"r": [71, 72, 73, 74]})
+    scheduler._preempt(request, type("P", (), {"preempted": []})())  # a later plan needs its pages
+    assert request.spec_token_ids == [71, 72, 73, 74]  # still to be read by plan_next's update
+    scheduler.update_from_output(plan_next, {"r": 80}, num_accepted={"r": 2}, drafts={"r": [81, 82, 83, 84]})
+    assert request.output_token_ids == [50, 51, 70, 71, 72, 80]
+    assert request.spec_token_ids == [] and request.num_inflight_verifies == 0  # not running: its drafts go
+    assert request in scheduler.waiting and not kv.block_tables

@@ -421,7 +421,9 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_confidences = [], []  # made from state the runner now drops
+        if not request.num_inflight_verifies:  # made from state the runner now drops; else a step in flight
+            # verifies them as placeholders and its update reads the kept ones from here (and then drops them)
+            request.spec_token_ids, request.spec_confidences = [], []
         request.spec_forced = False
         request.next_drafts = []
         request.num_preemptions += 1
