@@ -144,7 +144,8 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                         make_detokenizer=detok, cost_model=cost_model, async_scheduling=async_scheduling,
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                        verify_planner=planner, **_kv_tiers(pm, config, model, cache))
+                        verify_planner=planner, **_kv_tiers(pm, config, model, cache),
+                        **_swa_slots(config, cache, runner, proposer, placement))
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
@@ -248,6 +249,26 @@ def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:
     page_io = _PageIO(cache, read_pages, write_pages)
     return dict(kv_tiers=KVTiers(namespace, pool_bytes, cache.page_size, host, store, config.kv_store_ttl_class),
                 page_io=page_io)
+
+
+def _swa_slots(config: EngineConfig, cache, runner, proposer, placement) -> dict:
+    """The SWA host slots `swa_host_slots` asks for (a pool of MXFP8 slots sized from the model's declared window
+    state, and its session directory), as `EngineCore` keywords; none without it. docs/cache.md."""
+    if config.swa_host_slots is None:
+        return {}
+    if proposer is not None or placement is not None:
+        raise ValueError("swa_host_slots are not supported with speculative decoding or expert parallelism "
+                         "(the drafter's state lags one token; ranks step in lockstep)")
+    import socket
+
+    from deepserve.core.kv.swa_slots import SWASlots
+    from deepserve.model.swa_slots import slot_bytes, slot_layout
+
+    size = slot_bytes(cache)
+    logger.info("SWA host slots: %d of %d bytes (%.1f MiB)", config.swa_host_slots, size,
+                config.swa_host_slots * size / 2**20)
+    return dict(swa_slots=SWASlots(config.swa_host_slots, size, cache.page_size, slot_layout(cache),
+                                   socket.gethostname()), slot_io=runner)
 
 
 @dataclass(frozen=True, slots=True)

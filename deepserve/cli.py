@@ -56,7 +56,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class",  # docs/cache.md
-                 "kv_events_config"):
+                 "kv_events_config", "swa_host_slots"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
@@ -186,6 +186,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="seconds a block-store call may take before it counts as a miss (default 1)")
     serve.add_argument("--kv-store-ttl-class", default=None, choices=["chat", "agent"],
                        help="retention class of the blocks written: chat (7 days, the default) or agent (3 days)")
+    serve.add_argument("--swa-host-slots", type=int, default=None, metavar="N",
+                       help="keep the window state past the last full page of N finished sequences in host "
+                       "slots (MXFP8) for their next turn (docs/cache.md)")
     serve.add_argument("--kv-events-config", default=None, metavar="JSON",
                        help='publish KV cache events for routers, as vLLM does: \'{"enable_kv_cache_events": true, '
                        '"endpoint": "tcp://*:5557"}\'')

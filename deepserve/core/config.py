@@ -386,6 +386,8 @@ class EngineConfig:
       `kv_store_deadline` (seconds a store call may take; past it, a miss), `kv_store_ttl_class` (`chat` or
       `agent`, the retention class of the blocks written). `kv_events_config`: vLLM's KV events for routers
       (`{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}`, a dict or its JSON; docs/cache.md).
+      `swa_host_slots`: how many finished sequences keep their window state past the last full page in a host
+      slot (MXFP8) for their next turn (docs/cache.md; not with speculative decoding).
     - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
@@ -429,6 +431,7 @@ class EngineConfig:
     kv_store_deadline: float = 1.0
     kv_store_ttl_class: str = "chat"
     kv_events_config: Any = None
+    swa_host_slots: int | None = None
     structured_outputs_backend: str = "llguidance"
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
@@ -493,6 +496,13 @@ class EngineConfig:
         if (self.kv_store or self.host_cache_bytes) and not self.enable_prefix_caching:
             raise ValueError("kv_store and host_cache_bytes hold prefix-cache blocks: they need "
                              "enable_prefix_caching")
+        if self.swa_host_slots is not None:
+            if isinstance(self.swa_host_slots, bool) or not isinstance(self.swa_host_slots, int) \
+                    or self.swa_host_slots <= 0:
+                raise ValueError(f"swa_host_slots must be a positive integer, got {self.swa_host_slots!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("swa_host_slots restore a sequence on top of its cached pages: they need "
+                                 "enable_prefix_caching")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.step_time_target > 0:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepserve.core.kv.prefix_hash import block_hashes
+from deepserve.core.kv.swa_slots import Resume, SWASlots
 from deepserve.core.kv.tiers import KVTiers, TierStats
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import RequestOutput
@@ -64,6 +65,15 @@ class PageIO(Protocol):
     def read(self, pages: Sequence[int]) -> list: ...
 
     def write(self, pages: Sequence[int], blocks: Sequence) -> None: ...
+
+
+class SlotIO(Protocol):
+    """Moves a sequence's window state past its last full page to and from an SWA host slot (the runner's side:
+    `ModelRunner.save_sequence` / `restore_sequence`). Called on the runner's thread only."""
+
+    def save_sequence(self, request_id: str) -> tuple[int, bytes] | None: ...
+
+    def restore_sequence(self, request_id: str, table: list[int], num_tokens: int, payload: bytes) -> None: ...
 
 
 @dataclass(slots=True)
@@ -158,6 +168,8 @@ class EngineCore:
         verify_planner=None,
         kv_tiers: KVTiers | None = None,
         page_io: PageIO | None = None,
+        swa_slots: SWASlots | None = None,
+        slot_io: SlotIO | None = None,
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
         `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
@@ -186,16 +198,26 @@ class EngineCore:
         self._copies_in: list[tuple[list[int], list]] = []  # (pages, blocks) the next step writes first
         if kv_tiers is not None:
             scheduler.kv.record_new_blocks = True
+        # SWA host slots: a finished sequence's tail state is saved, a request continuing it restores it
+        if (swa_slots is None) != (slot_io is None):
+            raise ValueError("swa_slots and slot_io come together (the slots' states are moved through slot_io)")
+        self.swa_slots, self.slot_io = swa_slots, slot_io
+        self._sessions: dict[str, str | None] = {}  # request -> its session_id, for its slot
+        self._resumes: dict[str, Resume] = {}  # request -> the slot its first chunk restores
+        self._continued: dict[str, str] = {}  # request -> the key of the slot it was restored from
+        self._slot_saves: list[tuple] = []  # (request, session, tokens, salt, continued key): for the next launch
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None, final_only: bool = False,
-                    views: bool = False) -> None:
+                    views: bool = False, session_id: str | None = None) -> None:
         """`final_only`: `step()` returns this request's output once, when it finishes, instead of a snapshot
         every step (a snapshot copies the output so far: at 256 requests 2,000 tokens in, most of a step's host
         time; bench/engine_host.py). For callers that read only the end, like `LLM.generate`. `views`: each
         snapshot's token ids and logprobs are read-only `outputs.Prefix` views of the request's lists, not
-        copies; for streaming callers that index, slice and take lengths (the server)."""
+        copies; for streaming callers that index, slice and take lengths (the server). `session_id` (or the
+        OpenAI `conversation`): the session whose SWA host slot this request continues and then replaces
+        (docs/cache.md); without one, the slot of the longest finished sequence the prompt begins with."""
         if params.stop and self.make_detokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         spec = params.structured_outputs
@@ -219,6 +241,8 @@ class EngineCore:
             if loading:
                 self.kv_tiers.cancel(request_id)
             raise
+        if self.swa_slots is not None:
+            self._find_slot(request, session_id)
         tracker = self._trackers[request_id] = RequestTracker(
             request, prompt, seed, detok, StopStringTracker(params.stop, params.include_stop_str_in_output),
             final_only, views)
@@ -231,6 +255,7 @@ class EngineCore:
         aborted = self.scheduler.abort(list(request_ids))
         for request in aborted:
             self._compiling.pop(request.request_id, None)
+            self._forget_slot(request.request_id)
             if self.kv_tiers is not None:
                 self.kv_tiers.cancel(request.request_id)
         return [self._trackers.pop(r.request_id).output() for r in aborted]
@@ -264,10 +289,12 @@ class EngineCore:
         if masks is not None and self._in_flight is None:
             outputs += self._fill_masks(masks)  # nothing in flight: the matchers are up to date, fill before launch
         copies, self._copies_in = self._copies_in, []
-        launched = (plan, self._worker.submit(self._run, step_input, copies)) \
+        saves, self._slot_saves = self._slot_saves, []
+        restores = self._slot_restores(step_input)
+        launched = (plan, self._worker.submit(self._run, step_input, copies, saves, restores)) \
             if plan.chunks or plan.finished_request_ids or plan.preempted_request_ids else None
         if launched is None:
-            self._copies_in = copies
+            self._copies_in, self._slot_saves = copies, saves
         outputs += self._finish_in_flight(masks)
         self._in_flight = launched
         if masks is not None and not masks.masks.bitmask.done():
@@ -288,12 +315,16 @@ class EngineCore:
         if self.kv_tiers is not None:
             self.kv_tiers.close()  # the store writes in flight finish (each within the store's deadline)
 
-    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = ()) -> StepOutput:
+    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = (), saves=(), restores=()) -> StepOutput:
         began = time.perf_counter()
         if self._last_end is not None and step.chunks:
             self.stats.host_gaps.append(began - self._last_end)
+        for save in saves:  # before the step frees their states
+            self._save_slot(*save)
         for pages, blocks in copies:  # blocks loaded from a lower tier, into their pages before anything reads them
             self.page_io.write(pages, blocks)
+        for request_id, table, num_tokens, payload in restores:  # after the pages: a restore starts from them
+            self.slot_io.restore_sequence(request_id, table, num_tokens, payload)
         out = self.executor.execute(step)
         self._last_end = time.perf_counter()
         return out
@@ -392,6 +423,7 @@ class EngineCore:
                 tracker.request.finish(*reason)  # plain decoding would have stopped here, before what ended it
             if tracker.request.is_finished:
                 del self._trackers[request_id]
+                self._queue_slot_save(tracker.request)
             elif tracker.grammar is not None and self.num_speculative_tokens:
                 self._force_drafts(tracker)
         return [t.output() for t in touched.values() if not t.final_only or t.request.is_finished]
@@ -439,6 +471,53 @@ class EngineCore:
             if c.samples and request is not None and c.start >= request.num_prompt_tokens:  # a decode
                 spec.record(c.num_draft_tokens, out.num_accepted.get(c.request_id, 0))
         spec.num_draft_tokens += sum(map(len, out.draft_token_ids.values()))
+
+    # -- SWA host slots ------------------------------------------------------------------------------------------
+    def _find_slot(self, request: Request, session_id: str | None) -> None:
+        """Look up the slot the request continues (a miss on any doubt: the request then computes its tail)."""
+        rid = request.request_id
+        self._sessions[rid] = session_id
+        if request.sampling_params.prompt_logprobs is not None or not self.enable_prefix_caching:
+            return
+        resume = self.swa_slots.find(session_id, request.prompt_token_ids, request.cache_salt)
+        if resume is not None:
+            self._resumes[rid] = resume
+            self.scheduler.resume_from_slot(rid, resume.base_tokens, resume.num_tokens)
+
+    def _forget_slot(self, request_id: str) -> None:
+        self._sessions.pop(request_id, None)
+        self._resumes.pop(request_id, None)
+        self._continued.pop(request_id, None)
+
+    def _queue_slot_save(self, request: Request) -> None:
+        """A finished request's state goes to a slot before the step that frees it (not an aborted one's)."""
+        session_id = self._sessions.pop(request.request_id, None)
+        self._resumes.pop(request.request_id, None)
+        continued = self._continued.pop(request.request_id, None)
+        if self.swa_slots is not None and request.finish_reason != "abort":
+            self._slot_saves.append((request.request_id, session_id, tuple(request.all_token_ids),
+                                     request.cache_salt, continued))
+
+    def _slot_restores(self, step: StepInput) -> list[tuple[str, list[int], int, bytes]]:
+        """The slots this step's first chunks restore: a request the scheduler admitted at its slot's length."""
+        if not self._resumes:
+            return []
+        restores = []
+        for c in step.chunks:
+            resume = self._resumes.pop(c.request_id, None)
+            if resume is not None and c.start == resume.num_tokens:
+                self._continued[c.request_id] = resume.key
+                restores.append((c.request_id, list(c.block_table), resume.num_tokens, resume.payload))
+        return restores
+
+    def _save_slot(self, request_id: str, session_id: str | None, token_ids: tuple[int, ...],
+                   salt: str | None, continued: str | None) -> None:
+        try:
+            saved = self.slot_io.save_sequence(request_id)
+            if saved is not None and saved[0] <= len(token_ids):
+                self.swa_slots.save(session_id, token_ids[: saved[0]], salt, saved[1], replaces=continued)
+        except Exception:  # noqa: BLE001 - a slot is an optimization: losing one never fails anything
+            logger.exception("saving the SWA host slot of request %s failed", request_id)
 
     # -- cache tiers -----------------------------------------------------------------------------------------------
     def _start_kv_load(self, request: Request) -> bool:
@@ -507,6 +586,7 @@ class EngineCore:
 
     def _finish_request(self, tracker: RequestTracker, reason: str, stop_reason: str | None) -> RequestOutput:
         self.scheduler.finish_requests([tracker.request.request_id], reason, stop_reason)
+        self._forget_slot(tracker.request.request_id)
         if self.kv_tiers is not None:
             self.kv_tiers.cancel(tracker.request.request_id)
         del self._trackers[tracker.request.request_id]

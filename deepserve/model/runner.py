@@ -82,6 +82,30 @@ class ModelRunner(ModelExecutor):
     def num_active_sequences(self) -> int:
         return len(self._seqs)
 
+    # -- SWA host slots (deepserve.core.kv.swa_slots): a finished sequence's tail state out, a next turn's in --
+    @torch.inference_mode()
+    def save_sequence(self, request_id: str) -> tuple[int, bytes] | None:
+        """(tokens in its state, its MXFP8 slot payload) of a sequence the runner still holds (a finished one, up
+        to the step that frees it); None when it holds none or it ends on a page boundary."""
+        from .swa_slots import pack_state
+
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state.num_tokens % self.cache.page_size == 0:
+            return None
+        return seq.state.num_tokens, pack_state(self.cache, seq.state)
+
+    @torch.inference_mode()
+    def restore_sequence(self, request_id: str, table: list[int], num_tokens: int, payload: bytes) -> None:
+        """Start a sequence at `num_tokens` tokens from its cached pages (`table`) and a slot payload; its first
+        chunk then starts there."""
+        from .swa_slots import unpack_state
+
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already has a sequence state")
+        table = list(table)
+        state, slot = unpack_state(self.cache, table, num_tokens, payload)
+        self._seqs[request_id] = _Seq(state, slot, table)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         clock = _StepClock(self.device)

@@ -132,6 +132,7 @@ class Scheduler:
         self._num_arrivals = 0
         self.num_preemptions = 0
         self._loading_kv: set[str] = set()  # waiting requests whose prefix blocks are loading
+        self._resumes: dict[str, tuple[int, int]] = {}  # request -> (base tokens, tokens) an SWA slot restores
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -168,6 +169,14 @@ class Scheduler:
     def kv_loaded(self, request_id: str) -> None:
         """The request's prefix blocks are in GPU pages now (or were not found): it may be admitted."""
         self._loading_kv.discard(request_id)
+
+    def resume_from_slot(self, request_id: str, base_tokens: int, num_tokens: int) -> None:
+        """The request continues a sequence whose state at `num_tokens` an SWA host slot holds: if its prefix hit
+        at first admission is exactly `base_tokens` (the pages before the slot's tail), it starts at `num_tokens`
+        (the engine restores the slot into its first chunk's sequence); else the slot is not used."""
+        if not 0 <= base_tokens < num_tokens < self.requests[request_id].num_prompt_tokens:
+            raise ValueError(f"cannot resume request {request_id!r} at {num_tokens} tokens after {base_tokens}")
+        self._resumes[request_id] = (base_tokens, num_tokens)
 
     def grammar_ready(self, request_id: str) -> None:
         """The request's grammar has compiled: it may sample from its next step on."""
@@ -356,6 +365,10 @@ class Scheduler:
             wants_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
             _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
                                                         request.cache_salt, use_hits=not wants_prompt)
+            resume = self._resumes.get(request.request_id)
+            if resume is not None and request.status is RequestStatus.WAITING and not wants_prompt \
+                    and num_cached == resume[0]:
+                num_cached = resume[1]  # the pages' tokens, then the slot's tail
             request.num_computed_tokens = num_cached
             num_new = self._chunk_size(request, plan)
             if num_new == 0 or self.kv.allocate_slots(request.request_id, num_cached + num_new) is None:
@@ -367,6 +380,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
                 request.num_cached_tokens = num_cached
+            self._resumes.pop(request.request_id, None)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -444,6 +458,7 @@ class Scheduler:
 
     def _retire(self, request: Request) -> None:
         self._loading_kv.discard(request.request_id)
+        self._resumes.pop(request.request_id, None)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
