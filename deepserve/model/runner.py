@@ -19,6 +19,7 @@ chunks before the forward and verifies and drafts after it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ class ModelRunner(ModelExecutor):
                 if c.num_draft_tokens}
         forward = self._forward(batch, states, rows)
         logits = forward.logits
-        last_rows = [sum(map(len, rows[: i + 1])) - 1 for i in range(len(chunks))]
+        last_rows = [n - 1 for n in itertools.accumulate(map(len, rows))]  # each chunk's last logits row
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         picked = [chunks[i] for i in sampling]
