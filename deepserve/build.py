@@ -101,7 +101,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
         placement = expert_placement(config, rank.world_size)
         model = load_expert_parallel_model(config.model, backend, config.dtype, placement, rank.rank)
     else:
-        model = load_model(config.model, backend, config.dtype)
+        model = load_model(config.model, backend, config.dtype, quantization=config.quantization)
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None

@@ -322,6 +322,8 @@ def _rope_configs(d: dict[str, Any], rope_dim: int) -> tuple[RopeConfig, RopeCon
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: `quantization` (vLLM's flag): the checkpoint's quantization_config, DeepSeek's FP8 / FP4, or dequantized
+QUANTIZATIONS = ("auto", "fp8", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +377,9 @@ class EngineConfig:
     - `model`: the checkpoint directory. `dtype`: `auto` (bf16 on accelerators, fp32 on CPU), `float32`,
       `bfloat16`, `float16`. `accelerator`: `auto` (the plugins decide), `cpu`, `nvidia`, `ascend` or a
       third-party backend's name; `device` optionally pins a torch device (`cuda:1`). `seed`: the engine's
-      default sampling seed.
+      default sampling seed. `quantization` (vLLM's flag; docs/quantization.md): `auto` keeps the weights the
+      checkpoint's `quantization_config` stores as FP8 / FP4 as stored, `fp8` DeepSeek's form (FP8 dense, FP4
+      routed experts; a bf16 checkpoint is quantized at load), `none` dequantizes everything to `dtype`.
     - Scheduling: `max_model_len` (default the model's), `max_num_seqs`, `max_num_batched_tokens` (tokens per
       step), `step_time_target` (seconds the cost model sizes prefill chunks for), `async_scheduling` (plan step
       N+1 while N runs).
@@ -414,6 +418,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
     accelerator: str = "auto"
     device: str | None = None
     seed: int = 0
@@ -463,6 +468,11 @@ class EngineConfig:
             self.model = str(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.enable_expert_parallel:
+            raise ValueError("quantization='fp8' is not supported with enable_expert_parallel: the expert-parallel "
+                             "ranks hold their experts dequantized (quantization 'auto' or 'none')")
         if not isinstance(self.accelerator, str) or not self.accelerator:
             raise ValueError(f"accelerator must be a non-empty string, got {self.accelerator!r}")
         self.accelerator = self.accelerator.lower()

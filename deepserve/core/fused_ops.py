@@ -80,6 +80,25 @@ class FusedOps:
         can norm the rows as its projection reads them; the default is the two ops."""
         return self.linear(self.rms_norm(x, norm_weight, eps), weight)
 
+    # -- weights kept as stored (FP8 / FP4 blocks and their scales: `deepserve.model.quant.QuantizedWeight`) ----
+    # The defaults dequantize (`weight.dequantize(x.dtype)`: fp32 then x's dtype, as the loader does) and run the
+    # maths op: the oracle, bitwise the model loaded with `--quantization none`. A backend with FP8/FP4 kernels
+    # multiplies the stored form instead.
+
+    def quantized_linear(self, x: Tensor, weight) -> Tensor:
+        """`linear(x, W)` for a stored weight W [N, K]: x [T, K] -> [T, N] in x's dtype."""
+        return self.linear(x, weight.dequantize(x.dtype))
+
+    def quantized_grouped_linear(self, x: Tensor, weight) -> Tensor:
+        """`grouped_linear(x, W.view(G, N / G, K))` for a stored weight W [N, K]: x [T, G, K] -> [T, G, N / G]."""
+        w = weight.dequantize(x.dtype)
+        return self.grouped_linear(x, w.view(x.shape[1], -1, x.shape[-1]))
+
+    def quantized_moe_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13, w2,
+                              limit: float) -> Tensor:
+        """`moe_experts` with stored expert stacks w13 [E, 2I, D] and w2 [E, D, I] (FP4 routed experts)."""
+        return self.moe_experts(x, topk_ids, topk_weights, w13.dequantize(x.dtype), w2.dequantize(x.dtype), limit)
+
     def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
         """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
         fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)

@@ -69,7 +69,8 @@ class Attention(nn.Module):
         b, eps, T = self.backend, self.cfg.rms_norm_eps, x.shape[0]
         positions = layout.positions
         qa = self.q_a_proj(x)
-        if self.q_b_proj.shared is None and (self.compressor is None or not self.compressor.reads_query(layout)):
+        if self.q_b_proj.shared is None and self.q_b_proj.stored() is None and (
+                self.compressor is None or not self.compressor.reads_query(layout)):
             qr = None  # nothing else reads the normed latent: the projection norms it as it reads it
             qb = b.rms_norm_linear(qa, self.q_a_norm.weight, eps, self.q_b_proj.weight)
         else:
@@ -87,5 +88,4 @@ class Attention(nn.Module):
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """Heads in G groups; group g goes through its own slice of `o_a_proj`."""
         G, T = self.cfg.o_groups, out.shape[0]
-        w = self.o_a_proj.weight.view(G, -1, self.num_heads * self.head_dim // G)  # [G, d_g, H*d/G]
-        return self.backend.grouped_linear(out.reshape(T, G, -1), w).reshape(T, -1)
+        return self.o_a_proj.grouped(out.reshape(T, G, -1)).reshape(T, -1)  # weight as [G, d_g, H*d/G]

@@ -9,6 +9,8 @@ from torch import nn
 
 from deepserve.core.interfaces import Backend
 
+from .quant import QuantizedWeight, scale_name
+
 
 class NormWeight(nn.Module):
     """The learned scale of an RMSNorm, kept in fp32 like the reference; the backend applies the norm."""
@@ -18,9 +20,30 @@ class NormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
 
+def keep_stored(module: nn.Module, param: str, data: torch.Tensor, scale: torch.Tensor,
+                block: tuple[int, int]) -> None:
+    """Make `module.<param>` hold a weight as stored (`quant.QuantizedWeight`): the parameter takes `data`'s dtype
+    and shape (FP8 e4m3, or packed FP4 int8) and a buffer `<param>_scale_inv` the scales, so the module's
+    `state_dict` names are the checkpoint's (`q_a_proj.weight`, `q_a_proj.weight_scale_inv`). Only the shapes and
+    dtypes are taken here; `loader.load_weights` copies the values in."""
+    device = getattr(module, param).device
+    setattr(module, param, nn.Parameter(torch.empty(data.shape, dtype=data.dtype, device=device), requires_grad=False))
+    module.register_buffer(scale_name(param), torch.empty(scale.shape, dtype=scale.dtype, device=device))
+    module.__dict__.setdefault("stored_blocks", {})[param] = tuple(block)
+
+
+def stored(module: nn.Module, param: str) -> QuantizedWeight | None:
+    """`module.<param>` as stored (see `keep_stored`), or None for a plain weight."""
+    block = module.__dict__.get("stored_blocks", {}).get(param)
+    if block is None:
+        return None
+    return QuantizedWeight(getattr(module, param), getattr(module, scale_name(param)), block)
+
+
 class Linear(nn.Module):
     """A bias-free projection whose GEMM is the backend's (batch-invariant, FP8-capable where the backend is).
-    Accepts [..., in_features]."""
+    Accepts [..., in_features]. A weight kept as stored (`keep_stored`) goes through the backend's
+    `quantized_linear`."""
 
     def __init__(self, backend: Backend, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -28,11 +51,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.zeros(out_features, in_features))
         self.shared: SharedInput | None = None  # set by `SharedInput`: this projection's GEMM is the group's
 
+    def stored(self) -> QuantizedWeight | None:
+        return stored(self, "weight")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             return self.shared.columns(self, x)
         lead = x.shape[:-1]
+        q = self.stored()
+        if q is not None:
+            return self.backend.quantized_linear(x.reshape(-1, x.shape[-1]), q).view(*lead, -1)
         return self.backend.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*lead, -1)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal use of the weight: x [T, G, K], rows split into G equal groups -> [T, G, N / G]."""
+        q = self.stored()
+        if q is not None:
+            return self.backend.quantized_grouped_linear(x, q)
+        return self.backend.grouped_linear(x, self.weight.view(x.shape[1], -1, x.shape[-1]))
 
 
 class SharedInput:

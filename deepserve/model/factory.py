@@ -14,7 +14,7 @@ from deepserve.core.interfaces import Backend
 
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .registry import model_class
-from .loader import load_weights, read_checkpoint, read_config
+from .loader import load_weights, prepare_stored, read_checkpoint, read_config, stored_scheme
 from .weight_names import keeps_fp32
 
 logger = logging.getLogger(__name__)
@@ -34,22 +34,34 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, backend: Backend) 
 
 
 def load_model(
-    model_dir: str | os.PathLike, backend: Backend, dtype: str | torch.dtype = "auto", progress: bool = True
+    model_dir: str | os.PathLike, backend: Backend, dtype: str | torch.dtype = "auto", progress: bool = True,
+    quantization: str = "auto",
 ) -> DeepseekV4ForCausalLM:
     """Read config and weights, build the model on the backend's device and copy the weights in.
 
     A checkpoint without `mtp.*` tensors (every file transformers writes) gets a model without MTP blocks.
+    `quantization` (`auto`, `fp8`, `none`): which weights stay FP8/FP4 as stored (`loader.stored_scheme`).
     """
     cfg = read_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, backend)
-    state = read_checkpoint(model_dir, dtype=torch_dtype, device=backend.device, progress=progress)
+    scheme, quantize = stored_scheme(cfg, quantization)
+    state = read_checkpoint(model_dir, dtype=torch_dtype, device=backend.device, progress=progress, scheme=scheme,
+                            quantize=quantize)
     if cfg.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
         logger.info("%s has no mtp.* tensors: loading without the MTP block", model_dir)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     model = build_model(cfg, backend, torch_dtype)
+    if scheme is not None and prepare_stored(model, state, scheme):
+        logger.info("%s: FP8/FP4 weights kept as stored (%.1f MiB of weights)", model_dir, weight_bytes(model) / 2**20)
     load_weights(model, state)
     model.share_projection_inputs()
     return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold, as stored (FP8/FP4 weights at their stored size)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for t in tensors.values())
 
 
 def build_model(cfg: ModelConfig, backend: Backend, dtype: torch.dtype) -> DeepseekV4ForCausalLM:

@@ -2,8 +2,9 @@
 
 `read_checkpoint` accepts a single `model.safetensors`, a sharded checkpoint with `model.safetensors.index.json`,
 or any set of `*.safetensors` files, in any of the three tensor spellings (see `weight_names`). FP8/FP4 weights
-are dequantized (see `quant`), per-expert tensors are stacked, and the result is keyed by the canonical names,
-which are the `state_dict()` names of HF's `DeepseekV4ForCausalLM` (and of deepserve's own model).
+are dequantized (see `quant`), or kept as stored with their scales under `<weight>_scale_inv` (`scheme`, the
+`--quantization` option: `stored_scheme`), per-expert tensors are stacked, and the result is keyed by the
+canonical names, which are the `state_dict()` names of HF's `DeepseekV4ForCausalLM` (and of deepserve's own model).
 """
 
 from __future__ import annotations
@@ -20,8 +21,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from deepserve.core.config import ConfigError, ModelConfig
-from deepserve.model.quant import dequantize
+from deepserve.core.config import QUANTIZATIONS, ConfigError, ModelConfig
+from deepserve.model.common import keep_stored
+from deepserve.model.quant import (
+    FP4_BLOCK as FP4_GROUP,
+    QuantizationConfigError,
+    QuantScheme,
+    check_scale,
+    dequantize,
+    quantize_stored,
+    scale_name as stored_scale_name,
+)
 from deepserve.model.weight_names import SCALE_SUFFIX, ExpertStacker, canonical_name, expert_piece, keeps_fp32
 
 logger = logging.getLogger(__name__)
@@ -80,6 +90,25 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
         raise CheckpointConfigError(f"{path}: {exc}") from exc
 
 
+def stored_scheme(config: ModelConfig, quantization: str = "auto") -> tuple[QuantScheme | None, bool]:
+    """What `--quantization` (vLLM's flag) means for this checkpoint: (the scheme weights are kept in, or None to
+    dequantize to the model dtype; whether plain weights the scheme stores quantized are quantized at load).
+    `auto`: the checkpoint's `quantization_config` (none: dequantize, as before); `fp8`: DeepSeek's scheme (the
+    config's blocks when it has one, else FP8 128x128 dense and FP4 routed experts), a bf16 checkpoint quantized
+    at load; `none`: dequantize everything."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return None, False
+    try:
+        scheme = QuantScheme.from_hf(config.quantization_config, config.raw)
+    except QuantizationConfigError as exc:
+        raise CheckpointConfigError(f"quantization_config: {exc}") from exc
+    if quantization == "fp8":
+        return scheme or QuantScheme(), True
+    return scheme, False
+
+
 def _open_all(files: list[Path], stack: ExitStack) -> dict[str, tuple[Any, str]]:
     """Open every file and map canonical name -> (open file, key in that file)."""
     sources: dict[str, tuple[Any, str]] = {}
@@ -121,6 +150,8 @@ def read_checkpoint(
     device: str | torch.device = "cpu",
     progress: bool = True,
     experts: Callable[[str], Sequence[int]] | None = None,
+    scheme: QuantScheme | None = None,
+    quantize: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read every tensor of a checkpoint, keyed by canonical name, dequantized and cast to `dtype` on `device`.
 
@@ -131,12 +162,26 @@ def read_checkpoint(
     `experts` (expert parallelism): given a stacked prefix (`model.layers.3.mlp.experts`), the logical experts
     this process holds there in slot order (a replica once per slot); only those are read (rows of a stacked
     tensor, or the per-expert tensors named), and the stacked result has one row per slot.
+
+    `scheme` (`stored_scheme`): FP8/FP4 weights stay as stored, their scales under `<name>_scale_inv` (stacked
+    with the experts), checked against the scheme's blocks; with `quantize`, plain weights that the scheme stores
+    quantized (`quant.quantize_stored`) are quantized as they are read.
     """
     config = read_config(model_dir)
     files = find_weight_files(model_dir)
     stacker = ExpertStacker(config.n_routed_experts if experts is None else None)
+    scale_stacker = ExpertStacker(config.n_routed_experts if experts is None else None)
     wanted: dict[str, list[int]] = {}  # prefix -> the distinct experts it holds, ascending (stacker indices)
     state: dict[str, torch.Tensor] = {}
+
+    def put(stacked: dict[str, torch.Tensor]) -> None:
+        for key, value in stacked.items():
+            quantized = quantize_stored(key, value, scheme) if quantize and scheme is not None else None
+            if quantized is not None:
+                state[key], state[stored_scale_name(key)] = quantized
+            else:
+                state[key] = value
+
     with ExitStack() as stack:
         sources = _open_all(files, stack)
         orphans = [n for n in sources if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" not in sources]
@@ -157,6 +202,15 @@ def read_checkpoint(
                 state[name] = _cast(name, _rows(sources, name, wanted[prefix]).to(device), dtype)
                 continue
             tensor = _get(sources, name).to(device)
+            if name.endswith(".weight") and scale_name in sources and scheme is not None:  # kept as stored
+                scale = _get(sources, scale_name).to(device)
+                _check_stored(model_dir, name, tensor, scale, scheme, piece is not None)
+                if piece is None:
+                    state[name], state[stored_scale_name(name)] = tensor, scale
+                else:
+                    state.update(stacker.add(*piece, tensor))
+                    state.update({stored_scale_name(k): v for k, v in scale_stacker.add(*piece, scale).items()})
+                continue
             if name.endswith(".weight") and scale_name in sources:
                 try:
                     tensor = dequantize(tensor, _get(sources, scale_name).to(device))
@@ -168,20 +222,48 @@ def read_checkpoint(
             if piece is None:
                 if experts is not None and name.endswith(_STACKED):  # quantized stacked: read whole, keep rows
                     tensor = tensor[wanted[prefix]]
-                state[name] = tensor
+                put({name: tensor})
             else:
-                state.update(stacker.add(*piece, tensor))
+                put(stacker.add(*piece, tensor))
     try:
-        state.update(stacker.finish())
+        put(stacker.finish())
+        state.update({stored_scale_name(k): v for k, v in scale_stacker.finish().items()})
     except KeyError as exc:
         raise CheckpointError(f"{model_dir}: {exc.args[0]}") from exc
     for prefix, distinct in wanted.items():  # distinct experts -> one row per slot (replicas repeated)
         slots = [distinct.index(e) for e in experts(prefix)]
         for leaf in _STACKED:
-            key = f"{prefix}.{leaf.lstrip('.')}"
-            if key in state and slots != list(range(len(distinct))):
-                state[key] = state[key][slots]
+            for key in (f"{prefix}.{leaf.lstrip('.')}", stored_scale_name(f"{prefix}.{leaf.lstrip('.')}")):
+                if key in state and slots != list(range(len(distinct))):
+                    state[key] = state[key][slots]
     return state
+
+
+def _check_stored(model_dir, name: str, weight: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme,
+                  expert: bool) -> None:
+    try:
+        block = check_scale(name, weight, scale, scheme)
+    except ValueError as exc:
+        raise CheckpointError(f"{model_dir}: {exc}") from exc
+    if expert and weight.shape[0] % block[0]:  # w1 and w3 rows are stacked: their blocks must not straddle
+        raise CheckpointError(f"{model_dir}: {name}: an FP8 expert of {weight.shape[0]} rows cannot be stacked in "
+                              f"{block[0]}-row blocks; load it with quantization='none'")
+
+
+def prepare_stored(module: torch.nn.Module, state: dict[str, torch.Tensor], scheme: QuantScheme) -> int:
+    """Give every parameter of `module` whose scales `state` holds (`<name>_scale_inv`) the stored form
+    (`common.keep_stored`: FP8 in the scheme's blocks, or packed FP4), before `load_weights`. Returns how many."""
+    count = 0
+    for name, _ in list(module.named_parameters()):
+        scale = state.get(stored_scale_name(name))
+        if scale is None:
+            continue
+        owner_name, _, param = name.rpartition(".")
+        data = state[name]
+        block = (1, FP4_GROUP) if data.dtype in (torch.int8, torch.uint8) else scheme.weight_block
+        keep_stored(module.get_submodule(owner_name), param, data, scale, block)
+        count += 1
+    return count
 
 
 #: the stacked routed-expert tensors' leaf names

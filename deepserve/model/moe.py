@@ -11,7 +11,7 @@ from torch import nn
 from deepserve.core.config import HASH_MOE, ModelConfig
 from deepserve.core.interfaces import Backend
 
-from .common import linear
+from .common import linear, stored
 
 
 class Router(nn.Module):
@@ -96,6 +96,10 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             pair_outputs = self.expert_parallel.exchange(x, ids)
             return combine_in_expert_order(pair_outputs, ids, weights, x.dtype) + self.shared_experts(x)
+        w13, w2 = stored(self.experts, "gate_up_proj"), stored(self.experts, "down_proj")
+        if w13 is not None and w2 is not None:  # FP4/FP8 experts as stored: the backend dequantizes where it must
+            routed = self.backend.quantized_moe_experts(x, ids, weights, w13, w2, self.limit)
+            return routed + self.shared_experts(x)
         shared_w13 = self.shared_experts.gate_up_weight()
         if shared_w13 is not None:  # the backend's routed + shared experts in one pass, where it has one
             fused = self.backend.moe_with_shared(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,

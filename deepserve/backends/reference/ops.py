@@ -209,13 +209,21 @@ class ReferenceBackend(Backend):
 
     # -- MoE ---------------------------------------------------------------------------------------------------
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        return self._experts(x, topk_ids, topk_weights, w13.shape[0], w13.__getitem__, w2.__getitem__, limit)
+
+    def quantized_moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        # the oracle: each expert the step routes to, dequantized as the loader would (never the whole stack)
+        return self._experts(x, topk_ids, topk_weights, w13.shape[0], lambda e: w13.expert(e).dequantize(x.dtype),
+                             lambda e: w2.expert(e).dequantize(x.dtype), limit)
+
+    def _experts(self, x, topk_ids, topk_weights, num_experts, w13_of, w2_of, limit):
         # each token's experts are added in ascending expert order, whatever else the batch routes
         out = torch.zeros_like(x, dtype=torch.float32)
         flat_ids = topk_ids.reshape(-1)
         token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
         weight_of = topk_weights.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -223,9 +231,9 @@ class ReferenceBackend(Backend):
             sel = order[start : start + count]
             start += count
             tokens = token_of[sel]
-            gate, up = self.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+            gate, up = self.linear(x[tokens], w13_of(expert)).chunk(2, dim=-1)
             h = self.swiglu(gate, up, limit)
-            y = self.linear(h, w2[expert]).float() * weight_of[sel, None].float()
+            y = self.linear(h, w2_of(expert)).float() * weight_of[sel, None].float()
             out.index_add_(0, tokens, y)
         return out.to(x.dtype)
 
