@@ -341,23 +341,25 @@ class EngineCore:
 
     def _step_input(self, plan: SchedulerOutput, masks: _PendingMasks | None = None) -> StepInput:
         chunks = []
+        requests, trackers, tables = self.scheduler.requests, self._trackers, self.scheduler.kv.block_tables
+        P, snapshots = self.page_size, self.enable_prefix_caching
         for c in plan.chunks:
-            request = self.scheduler.requests[c.request_id]
-            tracker = self._trackers[c.request_id]
+            request = requests[c.request_id]
+            tracker = trackers[c.request_id]
             params = request.sampling_params
             end = c.start + len(c.token_ids)
             blocked = ()
-            if c.samples:
+            if c.samples and params.min_tokens:  # (none blocked once min_tokens are out, nor ever without any)
                 before = request.num_output_tokens + request.num_pending_tokens - 1
                 blocked = tuple(min_tokens_blocked_ids(params, self.scheduler.eos_token_ids, before))
             targets = ()
             if params.prompt_logprobs is not None and c.start < request.num_prompt_tokens - 1:
                 targets = tuple(request.prompt_token_ids[c.start + 1 : min(end, request.num_prompt_tokens - 1) + 1])
-            table = tuple(self.scheduler.kv.block_tables.get(c.request_id, ()))
+            table = tuple(tables.get(c.request_id, ()))
             snaps = ()
-            if self.enable_prefix_caching and not c.relative:  # a relative chunk's runner finds its boundaries
-                P = self.page_size
-                snaps = tuple((b, table[b // P - 1]) for b in range((c.start // P + 1) * P, end + 1, P))
+            first = (c.start // P + 1) * P  # the first page boundary past the chunk's start
+            if snapshots and not c.relative and first <= end:  # a relative chunk's runner finds its boundaries
+                snaps = tuple((b, table[b // P - 1]) for b in range(first, end + 1, P))
             speculate = next_token = None
             if self.num_speculative_tokens:
                 speculate = self.num_speculative_tokens if c.samples and self._may_draft(tracker) else 0
@@ -366,7 +368,7 @@ class EngineCore:
                 else:
                     next_token = request.all_token_ids[end]
             history = prompt = ()
-            if c.samples and params.reads_output_history:  # a copy: this thread appends while the step runs
+            if c.samples and tracker.reads_output_history:  # a copy: this thread appends while the step runs
                 history = tuple(request.output_token_ids)
                 prompt = request.prompt_token_ids if params.repetition_penalty != 1.0 else ()
             chunks.append(ChunkInput(c.request_id, c.start, c.token_ids, c.samples, table, params, tracker.seed,
@@ -402,31 +404,42 @@ class EngineCore:
         touched: dict[str, RequestTracker] = {}
         verdicts: dict[str, tuple[str, str | None]] = {}
         self._cut_short: set[str] = set()
+        trackers, prompt_logprobs, logprobs, sampled_logprobs = (self._trackers, out.prompt_logprobs, out.logprobs,
+                                                                 out.sampled_logprobs)
         for c in plan.chunks:
-            tracker = self._trackers.get(c.request_id)
+            request_id = c.request_id
+            tracker = trackers.get(request_id)
             if tracker is None:
                 continue  # aborted or finished while this step ran
-            if c.request_id in out.prompt_logprobs:
-                tracker.add_prompt_logprobs(c.start, out.prompt_logprobs[c.request_id])
+            if prompt_logprobs and request_id in prompt_logprobs:
+                tracker.add_prompt_logprobs(c.start, prompt_logprobs[request_id])
             if c.samples:
-                verdict = self._absorb(tracker, out.logprobs.get(c.request_id), out.sampled_logprobs.get(c.request_id))
+                verdict = self._absorb(tracker, logprobs.get(request_id) if logprobs else None,
+                                       sampled_logprobs.get(request_id) if sampled_logprobs else None)
                 if verdict is not None:
-                    verdicts[c.request_id] = verdict
-            if c.start + len(c.token_ids) >= tracker.request.num_prompt_tokens > c.start:
-                self.stats.num_prompt_tokens += tracker.request.num_prompt_tokens - tracker.request.num_cached_tokens
-            touched[c.request_id] = tracker
+                    verdicts[request_id] = verdict
+            request = tracker.request
+            if c.start + len(c.token_ids) >= request.num_prompt_tokens > c.start:
+                self.stats.num_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
+            touched[request_id] = tracker
+        outputs = []
         for request_id, tracker in touched.items():
+            request = tracker.request
             reason = ("stop", tracker.stop_match.stop) if tracker.stop_match is not None else verdicts.get(request_id)
-            if reason is not None and not tracker.request.is_finished:
+            if reason is not None and not request.is_finished:
                 self.scheduler.finish_requests([request_id], *reason)
             elif reason is not None and request_id in self._cut_short:
-                tracker.request.finish(*reason)  # plain decoding would have stopped here, before what ended it
-            if tracker.request.is_finished:
-                del self._trackers[request_id]
-                self._queue_slot_save(tracker.request)
-            elif tracker.grammar is not None and self.num_speculative_tokens:
+                request.finish(*reason)  # plain decoding would have stopped here, before what ended it
+            if request.is_finished:
+                del trackers[request_id]
+                self._queue_slot_save(request)
+                outputs.append(tracker.output())
+                continue
+            if tracker.grammar is not None and self.num_speculative_tokens:
                 self._force_drafts(tracker)
-        return [t.output() for t in touched.values() if not t.final_only or t.request.is_finished]
+            if not tracker.final_only:
+                outputs.append(tracker.output())
+        return outputs
 
     def _force_drafts(self, tracker: RequestTracker) -> None:
         """Draft the tokens the grammar forces next (a JSON schema's keys and punctuation) instead of the
@@ -448,19 +461,22 @@ class EngineCore:
         """Take the tokens the scheduler just appended (one, or several with kept drafts), one at a time, as plain
         decoding would: stop at a stop string or at the grammar's end. Returns the grammar's verdict, if any."""
         request, grammar = tracker.request, tracker.grammar
+        output = request.output_token_ids
         verdict = None
+        num_absorbed = 0
         while tracker.absorb(logprobs, sampled_logprob):
             logprobs = sampled_logprob = None
-            self.stats.num_generation_tokens += 1
+            num_absorbed += 1
             if tracker.stop_match is not None:
                 break
-            more = tracker.num_seen < len(request.output_token_ids)
+            more = tracker.num_seen < len(output)
             if grammar is not None and grammar.matcher is not None and (more or not request.is_finished):
-                verdict = grammar.advance(request.output_token_ids[: tracker.num_seen])
+                verdict = grammar.advance(output, tracker.num_seen)
                 if verdict is not None:
                     break
-        if tracker.num_seen < len(request.output_token_ids):  # kept drafts past the end: never generated
-            del request.output_token_ids[tracker.num_seen:]
+        self.stats.num_generation_tokens += num_absorbed
+        if tracker.num_seen < len(output):  # kept drafts past the end: never generated
+            del output[tracker.num_seen:]
             self._cut_short.add(request.request_id)
         return verdict
 

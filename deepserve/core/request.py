@@ -144,7 +144,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        # `finish` sets both; this is read several times per request per step, and an enum's hash is Python code
+        return self.finish_reason is not None
 
     @property
     def num_tokens_with_pending(self) -> int:

@@ -3,6 +3,7 @@ and the grammar of a structured-output request."""
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import Future
 
 from deepserve.core.outputs import CompletionOutput, PositionLogprobs, Prefix, RequestOutput
@@ -27,11 +28,12 @@ class GrammarState:
         self.matcher: GrammarMatcher | None = None
         self.num_consumed = 0
 
-    def advance(self, output_token_ids: list[int]) -> tuple[str, str | None] | None:
-        """Consume the tokens sampled since the last call. Returns (finish_reason, stop_reason) when the request
-        must finish: ("stop", None) when the grammar is complete, ("abort", why) when it rejected a token."""
+    def advance(self, output_token_ids: list[int], end: int | None = None) -> tuple[str, str | None] | None:
+        """Consume the tokens sampled since the last call (those before `end`, default all). Returns
+        (finish_reason, stop_reason) when the request must finish: ("stop", None) when the grammar is complete,
+        ("abort", why) when it rejected a token."""
         matcher = self.matcher
-        for token in output_token_ids[self.num_consumed:]:
+        for token in itertools.islice(output_token_ids, self.num_consumed, end):
             self.num_consumed += 1
             if not matcher.consume(token):
                 return "abort", f"{GRAMMAR_ERROR_PREFIX}token {token} rejected: {matcher.error_message()}"
@@ -42,7 +44,8 @@ class RequestTracker:
     """Turns the tokens the scheduler appends into text and logprobs, and finds stop strings in that text."""
 
     __slots__ = ("request", "prompt", "prompt_ids", "seed", "detok", "stops", "num_seen", "logprobs",
-                 "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only", "views")
+                 "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only", "views",
+                 "reads_output_history")
 
     def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker,
                  final_only: bool = False, views: bool = False) -> None:
@@ -59,24 +62,29 @@ class RequestTracker:
         self.stop_match: StopStringMatch | None = None
         self.flushed = False
         self.grammar: GrammarState | None = None
+        self.reads_output_history = params.reads_output_history  # asked every step: a property over lists
 
     def absorb(self, logprobs: PositionLogprobs | None, sampled_logprob: float | None) -> bool:
         """Take the token the scheduler just appended (if it did). True when there was one."""
         request = self.request
-        if len(request.output_token_ids) == self.num_seen:
+        output = request.output_token_ids
+        seen = self.num_seen
+        if len(output) == seen:
             return False
-        token = request.output_token_ids[self.num_seen]
-        self.num_seen += 1
+        token = output[seen]
+        self.num_seen = seen = seen + 1
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += sampled_logprob or 0.0
+        if self.detok is None or self.stop_match is not None:
+            return True
         params = request.sampling_params
-        last = self.num_seen == len(request.output_token_ids) and request.is_finished
-        token_stop = last and request.finish_reason == "stop" and not params.include_stop_str_in_output
-        if self.detok is not None and not token_stop and self.stop_match is None:  # EOS / stop ids add no text
-            match = self.stops.append(self.detok.add(token), check=self.num_seen > params.min_tokens)
-            if match is not None:
-                self.stop_match = match
+        # the last token of a request finished by it (EOS, a stop id) adds no text
+        if seen == len(output) and request.finish_reason == "stop" and not params.include_stop_str_in_output:
+            return True
+        match = self.stops.append(self.detok.add(token), check=seen > params.min_tokens)
+        if match is not None:
+            self.stop_match = match
         return True
 
     def add_prompt_logprobs(self, start: int, entries: list[PositionLogprobs]) -> None:
@@ -87,7 +95,8 @@ class RequestTracker:
 
     def output(self) -> RequestOutput:
         request = self.request
-        if request.is_finished and not self.flushed:
+        finished = request.finish_reason is not None
+        if finished and not self.flushed:
             self.flushed = True
             # a grammar's end is text the user wants whole, held-back bytes included
             grammar_end = self.grammar is not None and request.stop_reason is None
@@ -97,22 +106,16 @@ class RequestTracker:
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self.prompt_logprobs.get(p) for p in range(1, request.num_prompt_tokens)]
         tokens, logprobs = request.output_token_ids, self.logprobs
-        if self.views and not request.is_finished:  # the engine only appends to both, cuts only past num_seen;
+        if self.views and not finished:  # the engine only appends to both, cuts only past num_seen;
             # the final output is copied (once), so what outlives the stream (hooks, stored results) holds lists
             tokens = Prefix(tokens, self.num_seen)
             logprobs = Prefix(logprobs, len(logprobs)) if logprobs is not None else None
         else:
             tokens = tokens[: self.num_seen]
             logprobs = list(logprobs) if logprobs is not None else None
-        completion = CompletionOutput(
-            index=0, text=self.stops.text, token_ids=tokens,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-        )
-        return RequestOutput(request_id=request.request_id, prompt=self.prompt,
-                             prompt_token_ids=self.prompt_ids, prompt_logprobs=prompt_logprobs,
-                             outputs=[completion], finished=request.is_finished,
-                             num_cached_tokens=request.num_cached_tokens,
-                             num_draft_tokens=request.num_draft_tokens,
-                             num_verified_tokens=request.num_verified_tokens,
-                             num_accepted_tokens=request.num_accepted_tokens)
+        completion = CompletionOutput(0, self.stops.text, tokens,
+                                      self.cumulative_logprob if logprobs is not None else None, logprobs,
+                                      request.finish_reason, request.stop_reason)
+        return RequestOutput(request.request_id, self.prompt, self.prompt_ids, prompt_logprobs, [completion], finished,
+                             request.num_cached_tokens, None, request.num_draft_tokens, request.num_verified_tokens,
+                             request.num_accepted_tokens)

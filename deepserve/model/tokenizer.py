@@ -139,12 +139,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append one or more new token ids; return the text they complete (maybe "")."""
-        if isinstance(token_ids, Iterable):
-            self.token_ids.extend(operator.index(t) for t in token_ids)
+        ids = self.token_ids
+        if type(token_ids) is int:  # one token, as the engine adds them: no ABC check (~1 us a token)
+            ids.append(token_ids)
+        elif isinstance(token_ids, Iterable):
+            ids.extend(operator.index(t) for t in token_ids)
         else:
-            self.token_ids.append(operator.index(token_ids))
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset)
+            ids.append(operator.index(token_ids))
+        decode, start, skip = self.tokenizer.decode, self.prefix_offset, self.skip_special_tokens
+        prefix_text = decode(ids[start : self.read_offset], skip)
+        new_text = decode(ids[start:], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]

@@ -242,15 +242,18 @@ class Scheduler:
         the new `drafts` (and their `confidences`) for the next step. Returns the requests that finished; their
         pages are free again. Requests finished or aborted since `schedule()` are skipped."""
         finished = []
+        requests, num_accepted, drafts, confidences = self.requests, num_accepted or {}, drafts or {}, confidences or {}
+        running_status = RequestStatus.RUNNING
         for chunk in sched_out.chunks:
-            request = self.requests.get(chunk.request_id)
+            request = requests.get(chunk.request_id)
             if request is None:
                 continue
             new_tokens = [sampled[chunk.request_id]] if chunk.samples else []
             k = chunk.num_draft_tokens
+            running = request.status is running_status
             if k:
-                kept = (num_accepted or {}).get(chunk.request_id, 0)
-                if request.status is RequestStatus.RUNNING:
+                kept = num_accepted.get(chunk.request_id, 0)
+                if running:
                     request.num_computed_tokens -= k - kept  # rejected: computed again later
                 request.num_inflight_verifies -= 1
                 request.num_verified_tokens += k
@@ -260,16 +263,17 @@ class Scheduler:
                     verified = request.spec_token_ids[:k]
                 new_tokens = list(verified[:kept]) + new_tokens
             if chunk.samples:
-                running = request.status is RequestStatus.RUNNING  # else the runner drops its state and drafts
-                request.spec_token_ids = list((drafts or {}).get(chunk.request_id, ())) if running else []
-                request.spec_confidences = list((confidences or {}).get(chunk.request_id, ())) if running else []
+                made = drafts.get(chunk.request_id, ()) if drafts else ()
+                # not running (preempted): the runner drops its state and drafts
+                request.spec_token_ids = list(made) if running else []
+                request.spec_confidences = list(confidences.get(chunk.request_id, ())) if running else []
                 request.spec_forced = False
-                request.num_draft_tokens += len((drafts or {}).get(chunk.request_id, ()))
-            if request.status is RequestStatus.RUNNING:  # before the stop check: a finishing request's prompt counts
+                request.num_draft_tokens += len(made)
+            if running:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
             if not chunk.samples:
-                if request.sampling_params.max_tokens == 0 and request.status is RequestStatus.RUNNING \
+                if request.sampling_params.max_tokens == 0 and running \
                         and chunk.start + len(chunk.token_ids) >= request.num_tokens:  # its prompt's last chunk
                     request.finish("length")
                     self.running.remove(request)
@@ -388,11 +392,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
 
     def _finishes_with_pending(self, request: Request) -> bool:
-        if not request.num_pending_tokens:
+        pending = request.num_pending_tokens
+        if not pending:
             return False
         max_tokens = request.sampling_params.max_tokens
-        outputs = request.num_output_tokens + request.num_pending_tokens
-        return (max_tokens is not None and outputs >= max_tokens) or request.num_tokens_with_pending >= self.max_model_len
+        outputs = len(request.output_token_ids) + pending
+        return (max_tokens is not None and outputs >= max_tokens) \
+            or len(request.prompt_token_ids) + outputs >= self.max_model_len
 
     def _chunk_size(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens_with_pending + len(request.next_drafts) - request.num_computed_tokens
@@ -410,14 +416,18 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         spec = request.next_drafts
-        known = request.all_token_ids[start:end]
-        num_placeholders = min(num_new - len(known), request.num_tokens_with_pending - start - len(known))
+        num_tokens = request.num_tokens
+        with_pending = num_tokens + request.num_pending_tokens
+        # (a decode with its token in flight knows none of its tokens: skip the empty slice)
+        known = request.all_token_ids[start:end] if start < num_tokens else ()
+        num_placeholders = min(num_new - len(known), with_pending - start - len(known))
         tokens = tuple(known) + (PLACEHOLDER,) * num_placeholders
         num_drafts = num_new - len(tokens)  # _cap_drafts made the budget hold all of them
-        del spec[num_drafts:]
-        tokens += tuple(spec)
+        if spec:
+            del spec[num_drafts:]
+            tokens += tuple(spec)
         # max_tokens=0: the prompt alone (its logprobs); the update finishes the request once it is computed
-        samples = end == request.num_tokens_with_pending + len(spec) and request.sampling_params.max_tokens != 0
+        samples = end == with_pending + len(spec) and request.sampling_params.max_tokens != 0
         relative = request.num_inflight_verifies > 0  # where it starts depends on drafts not yet judged
         forced = num_drafts > 0 and request.spec_forced and DRAFT_PLACEHOLDER not in spec
         plan.chunks.append(ScheduledChunk(request.request_id, start, tokens, samples, num_drafts, relative,
