@@ -114,7 +114,7 @@ class FakeStore(Hanging):
 
 def test_a_plugin_registers_a_scheme_and_the_registry_opens_it():
     stores = registry(ThirdPartyStores())
-    assert stores.schemes == ["dir", "ec", "fake", "memory", "redis", "rediss"]
+    assert stores.schemes == ["dir", "ec", "fake", "memory", "mooncake", "redis", "rediss"]
     assert stores.open("fake://node-1:9000/kv").uri == "fake://node-1:9000/kv"
 
 

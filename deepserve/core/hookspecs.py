@@ -55,8 +55,8 @@ def deepserve_register_cache_backends(register: Register) -> None:
     Called once when an engine is built (`deepserve.build.build_engine`), through
     `deepserve.core.plugins.collect_registrations`; the engine keeps the factories in a
     `deepserve.core.kv.store.StoreRegistry`, which opens a store when a URI names its scheme (`kv_store`,
-    `--kv-store`). The built-in `deepserve.plugins.cache.plugin` registers `memory`, `dir`, `redis`, `rediss` and
-    `ec` (docs/cache.md).
+    `--kv-store`). The built-in `deepserve.plugins.cache.plugin` registers `memory`, `dir`, `redis`, `rediss`,
+    `ec` and `mooncake` (docs/cache.md).
 
     :param register: call `register(scheme, factory)` once per store; `scheme` is the URI scheme it serves
         (`dir` for `dir:///mnt/3fs/kv`) and must be unique across all plugins; `factory(uri)` takes the whole

@@ -1,7 +1,8 @@
 """The built-in block stores, contributed through `deepserve_register_cache_backends` by the URI scheme each
 serves: `memory` (`memory_store.py`), `dir` (`dir_store.py`: a 3FS mount or any shared directory) and `redis` /
 `rediss` (`redis_store.py`: a Redis server through redis-py's asyncio client) and `ec` (`ec_store.py`: K + M
-erasure-coded fragments over child stores, which it opens through the registry)."""
+erasure-coded fragments over child stores, which it opens through the registry) and `mooncake`
+(`mooncake_store.py`: a Mooncake Store cluster, where its wheel is installed)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def make_ec_store(uri: str, registry) -> BlockStore:
     return ErasureCodedStore.from_uri(uri, registry)
 
 
+def make_mooncake_store(uri: str) -> BlockStore:
+    try:
+        from deepserve.plugins.cache.mooncake_store import MooncakeStore, parse_uri
+
+        options = parse_uri(uri)  # a bad URI is named before the wheel is looked for
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"the mooncake:// store needs Mooncake's client: pip install mooncake-transfer-engine "
+                         f"(or -non-cuda), and on Linux libibverbs1 ({exc})") from exc
+    return MooncakeStore(**options)
+
+
 @hookimpl
 def deepserve_register_cache_backends(register: Register) -> None:
     register("memory", make_memory_store)
@@ -40,3 +53,4 @@ def deepserve_register_cache_backends(register: Register) -> None:
     register("redis", make_redis_store)
     register("rediss", make_redis_store)
     register("ec", make_ec_store)
+    register("mooncake", make_mooncake_store)
