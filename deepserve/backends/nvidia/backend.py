@@ -95,12 +95,13 @@ class NvidiaBackend(ReferenceBackend):
             # compiled kernels persist under deepserve's cache directory, so a restart compiles nothing
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
-                from .triton_ops import attention, decode, elementwise, gemv, indexer, mhc, moe
+                from .triton_ops import attention, decode, elementwise, fp4_moe, fp8_linear, gemv, indexer, mhc, moe
             except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
                 logger.warning("triton is installed but its kernels do not import (%s): running without them", e)
             else:
                 self.kernels = SimpleNamespace(attention=attention, decode=decode, elementwise=elementwise,
-                                               gemv=gemv, indexer=indexer, mhc=mhc, moe=moe)
+                                               gemv=gemv, indexer=indexer, mhc=mhc, moe=moe, fp8_linear=fp8_linear,
+                                               fp4_moe=fp4_moe)
                 self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
                 self._arrivals = torch.zeros(4096, dtype=torch.int32, device=self.device)
 
@@ -149,6 +150,38 @@ class NvidiaBackend(ReferenceBackend):
         out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
         torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
         return out
+
+    # -- weights kept as stored: FP8 projections (`fp8_linear`), FP4 experts (`fp4_moe`) --------------------------
+    def _stored_path(self, x) -> str | None:
+        """`gemv` (a few rows: W8A16, split K), `fp8` (FP8 activations on FP8 tensor cores, sm_89 and later), or
+        None: dequantize and take the bf16 path (no kernels, fp32 activations, or a long step on an older GPU)."""
+        if self.kernels is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if x.shape[0] <= self.kernels.fp8_linear.GEMV_ROWS:
+            return "gemv"
+        return "fp8" if self.compute_capability >= (8, 9) else None
+
+    def quantized_linear(self, x, weight):
+        path = None if weight.fp4 else self._stored_path(x)
+        if path is None:
+            return super().quantized_linear(x, weight)
+        return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, act_fp8=path == "fp8")
+
+    def quantized_grouped_linear(self, x, weight):
+        path = None if weight.fp4 else self._stored_path(x)
+        if path is None:
+            return super().quantized_grouped_linear(x, weight)
+        return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, groups=x.shape[1],
+                                                  act_fp8=path == "fp8")
+
+    def quantized_moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
+        """FP4 experts through the W4A16 grouped kernels; FP8 experts dequantized for the bf16 kernels."""
+        if self.kernels is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+            return super().quantized_moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        if w13.fp4 and w2.fp4:
+            return self.kernels.fp4_moe.fp4_moe_experts(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data,
+                                                        w2.scale, limit)
+        return self.moe_experts(x, topk_ids, topk_weights, w13.dequantize(x.dtype), w2.dequantize(x.dtype), limit)
 
     # -- elementwise ---------------------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):

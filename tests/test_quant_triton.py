@@ -1,0 +1,164 @@
+"""The NVIDIA backend's FP8 / FP4 Triton kernels (`fp8_linear`, `fp4_moe`) against the dequantized reference, on
+the CPU under Triton's interpreter at small shapes. Skipped where triton is not installed (CPU CI by default) and
+where a GPU is: tests/gpu/test_quant_kernels.py runs the same `check_*` functions there at V4-Flash shapes.
+
+The interpreter must be chosen before triton is first imported (its own helpers, `tl.zeros`, are kernels made at
+import), so the checks run in one child process started with TRITON_INTERPRET=1 (`python test_quant_triton.py`),
+and each test reads its case's result.
+
+Outputs are NaN-poisoned first (an element not written shows). The prefill path's activations are drawn so that
+their FP8 quantization is exact (e4m3 values times a power of two, one 448 per group): Triton's interpreter
+rounds some float-to-e4m3 conversions wrongly (a carry into the next binade is lost: 31.0 -> 16), which the GPU
+does not, so here the check is of the scales, the layout and the products, and the GPU test adds random inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepserve.backends.reference import ReferenceBackend
+from deepserve.model import quant
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.importorskip("triton")  # only where it is installed; the child process imports it itself
+
+
+# -- the checks (shared with tests/gpu/test_quant_kernels.py) ----------------------------------------------------
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "output holds NaN (an element was not written)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def representable(shape, group: int, g: torch.Generator, device) -> torch.Tensor:
+    """Rows whose per-`group` FP8 quantization is exact: e4m3 values times a power of two per group, each group's
+    largest magnitude 448 (so its scale is that power of two)."""
+    *lead, K = shape
+    codes = torch.randint(0, 256, (*lead, K), generator=g, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float().nan_to_num(0.0).clamp(-448, 448)
+    groups = -(-K // group)
+    first = torch.arange(groups) * group
+    values[..., first] = 448.0 * torch.where(torch.rand((*lead, groups), generator=g) < 0.5, -1.0, 1.0)
+    powers = torch.randint(-12, -4, (*lead, groups), generator=g).float().exp2()
+    return (values * powers.repeat_interleave(group, dim=-1)[..., :K]).to(device)
+
+
+def stored_fp8(N: int, K: int, block, g, device, float_scales: bool = False):
+    w = torch.randn(N, K, generator=g) / K**0.5
+    q, s = quant.quantize_fp8(w, block=block)
+    deq = quant.dequantize_fp8(q, s, block)
+    if float_scales:  # fp32 multipliers (vLLM-style weight_scale_inv) instead of e8m0
+        s = quant._scale_multipliers(s)
+    return q.to(device), s.to(device), deq.to(device)
+
+
+def check_fp8_linear(k, device, M, N, K, block=(128, 128), groups=1, act_fp8=False, dtype=torch.float32,
+                     float_scales=False, seed=0) -> None:
+    """`fp8_linear` against x @ dequantized(W).T: W8A16 (decode) within the output dtype's rounding; the FP8
+    prefill path on exactly quantizable x within it too (the same products, summed in another order)."""
+    g = torch.Generator().manual_seed(seed)
+    q, s, deq = stored_fp8(groups * N, K, block, g, device, float_scales)
+    shape = (M, groups, K) if groups > 1 else (M, K)
+    group = min(128, block[1])
+    x = (representable(shape, group, g, device) if act_fp8 else torch.randn(shape, generator=g).to(device)).to(dtype)
+    out = poisoned((M, groups, N) if groups > 1 else (M, N), dtype, device)
+    y = k.fp8_linear.fp8_linear(x, q, s, tuple(block), groups=groups, act_fp8=act_fp8, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), deq.view(groups, N, K)).view(out.shape)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(y, ref) < tol, (M, N, K, block, groups, act_fp8)
+
+
+def check_act_quant(k, device, M, K, group, seed=0, exact_rounding=False) -> None:
+    """`act_quant`'s scales (exact powers of two) and codes against the torch version; `exact_rounding` (GPU):
+    on random rows, every code (round to nearest even) too."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device) * 3 if exact_rounding else representable((M, K), group, g, device)
+    x = x.to(torch.bfloat16).float()
+    q, s = k.fp8_linear.act_quant(x, group)
+    q_ref, s_ref = k.fp8_linear.act_quant_reference(x, group)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())
+
+
+def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0) -> None:
+    """`fp4_moe_experts` against the reference backend's dequantizing `quantized_moe_experts` (fp32, on the CPU),
+    within the dtype's rounding; every (token, expert) row written."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
+                                                                         / D**0.5)), (1, 32))
+    w2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, D, I, generator=g)
+                                                                        / I**0.5)), (1, 32))
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(device)
+    weights = torch.rand(T, top_k, generator=g).to(device)
+    ref = ReferenceBackend(device, exact=False).quantized_moe_experts(x.float(), ids, weights, w13, w2, 7.0)
+    pair_out = poisoned((T * top_k, D), dtype, device)
+    y = k.fp4_moe.fp4_moe_experts(x, ids, weights, w13.data, w13.scale, w2.data, w2.scale, 7.0, pair_out=pair_out)
+    assert not torch.isnan(pair_out).any(), "a (token, expert) pair was not written"
+    assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# -- on the CPU, interpreted ---------------------------------------------------------------------------------------
+
+CASES = {
+    # decode (W8A16): split K; K not a multiple of the block with fp32 scale multipliers; V4.1's 32x32 blocks
+    # grouped as o_a is, the groups not aligned to the blocks
+    "fp8-decode-split-k": (check_fp8_linear, dict(M=3, N=96, K=256)),
+    "fp8-decode-ragged-k-fp32-scales": (check_fp8_linear, dict(M=20, N=64, K=300, float_scales=True)),
+    "fp8-decode-grouped-32x32": (check_fp8_linear, dict(M=5, N=40, K=96, block=(32, 32), groups=3)),
+    "fp8-prefill": (check_fp8_linear, dict(M=40, N=64, K=300, act_fp8=True)),
+    "fp8-prefill-grouped-32x32": (check_fp8_linear, dict(M=20, N=40, K=96, block=(32, 32), groups=2, act_fp8=True)),
+    "act-quant-128": (check_act_quant, dict(M=33, K=300, group=128)),
+    "act-quant-32": (check_act_quant, dict(M=5, K=64, group=32)),
+    "fp4-moe": (check_fp4_moe, dict(T=5, D=96, I=64, E=6, top_k=2)),
+    "fp4-moe-ragged": (check_fp4_moe, dict(T=40, D=64, I=48, E=4, top_k=3)),
+}
+
+
+def run_cases() -> dict[str, str]:
+    """Every case under this process's triton (the child's entry point): name -> 'ok' or the failure."""
+    from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear
+
+    kernels, results = SimpleNamespace(fp8_linear=fp8_linear, fp4_moe=fp4_moe), {}
+    for name, (check, kwargs) in CASES.items():
+        try:
+            check(kernels, "cpu", **kwargs)
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the parent test by name
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU these run as tests/gpu/test_quant_kernels.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_against_dequantized_reference(interpreted, case):
+    assert interpreted[case] == "ok", interpreted[case]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(run_cases()))
