@@ -87,10 +87,15 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
+    from deepserve.model.registry import checkpoint_model_type
     from deepserve.model.runner import ModelRunner
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
+    if checkpoint_model_type(config.model) == "deepseek_v41":
+        from deepserve.model.v41.engine import build_v41_engine
+
+        return build_v41_engine(config, pm)
     if config.distributed and rank is None:
         return _build_front(config, pm)
     backend = select_backend(pm, config)

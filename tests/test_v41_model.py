@@ -151,8 +151,8 @@ def test_refusals_say_why(model):
     with pytest.raises(ValueError, match="vision"):
         model.forward([1, model.cfg.image_token_id], state)
     model.forward([3, 4, 5], state)
-    with pytest.raises(ValueError, match="chunked prefill"):
-        model.forward([6, 7], state)
+    model.forward([6, 7], state)  # a later chunk is taken (tests/test_v41_engine.py checks what it computes)
+    assert state.num_tokens == 5
 
 
 def test_engram_tables_can_stay_in_host_memory(model):

@@ -61,7 +61,8 @@ MUTATIONS = {
     "no_engram": lambda m, mp: mp.setattr(v41_model.Engram, "forward", lambda self, x, ids: x),
     "unshifted_mhc": lambda m, mp: mp.setattr(
         v41_model.Block, "forward",
-        lambda self, x, pre, attend, f=v41_model.Block.forward: f(self, x, self._mix(x, self.hc_attn)[0], attend)),
+        lambda self, x, pre, attend, *rows, f=v41_model.Block.forward: f(self, x, self._mix(x, self.hc_attn, *rows)[0],
+                                                                         attend, *rows)),
     "no_candidate_filter": lambda m, mp: mp.setattr(
         attention, "candidate_mask", lambda s, v, k, b: torch.ones_like(s, dtype=torch.bool)),
     "route_scale_1": lambda m, mp: _set(m, route_scale=1.0),

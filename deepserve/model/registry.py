@@ -7,6 +7,8 @@ the module is imported only when a checkpoint of that type is loaded.
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 _MODELS: dict[str, tuple[str, str]] = {
     "deepseek_v4": ("deepserve.model.deepseek_v4", "DeepseekV4ForCausalLM"),
@@ -33,3 +35,14 @@ def model_class(model_type: str | None) -> type:
         raise ValueError(f"no model is registered for model_type {key!r}; registered: {model_types()}")
     module, name = _MODELS[key]
     return getattr(importlib.import_module(module), name)
+
+
+def checkpoint_model_type(model_dir) -> str | None:
+    """The `model_type` a checkpoint directory's `config.json` names (None: no config.json, or none named)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a JSON object: {exc}") from exc

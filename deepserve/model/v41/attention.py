@@ -2,7 +2,8 @@
 `index_topk` rows of the shared compressed cache chosen by the nearest index source. Kv sources ("Full") also
 compress (ratio 2: softmax-pooled pairs; ratio 1: one row a token) and project index keys from the latent;
 "Reindex" layers score the source's keys with their own query inside the candidate source's blocks; "Reuse"
-layers take the nearest index source's top-k. Contiguous state: a prefill from position 0, then one-token steps.
+layers take the nearest index source's top-k. A forward takes any number of new tokens at any position: a
+prefill from position 0, a prompt chunk after earlier chunks (the ring's keys, then the chunk's), a decode step.
 """
 
 from __future__ import annotations
@@ -21,23 +22,41 @@ from .state import LayerState, V41SequenceState
 @dataclass
 class Shared:
     """What a forward hands down the stack: the current kv source's rows, the nearest index source's top-k
-    (window offset included) and the candidate source's mask."""
+    (window offset included) and the candidate source's mask. `prompt`: the tokens are prompt tokens, whose
+    index sources read the keys one prefill of the whole prompt would (their kv source's), also at a one-token
+    chunk that closes no group; a decode step keeps the reference's stale keys there (docs/v41.md)."""
+
+    prompt: bool = False
+    min_rows: int = 1  # the plain GEMMs' row floor (`numerics.gemm`)
 
     rows: torch.Tensor | None = None
     topk: torch.Tensor | None = None
+    topk_offset: int = 0  # where the compressed rows start in the keys the top-k indexes (after the window's)
     candidates: torch.Tensor | None = None
 
 
 def window_columns(win: int, start: int, seqlen: int, device) -> torch.Tensor:
-    """Per query, the window key columns: prefill lists its causal window over the chunk's rows (-1 before the
-    sequence); a decode step lists the whole ring oldest first (-1 for slots not yet written)."""
+    """Per query, `win` window key columns: prefill lists its causal window over the chunk's rows (then -1 up
+    to `win`, so that a query's list does not depend on the forward's length); a decode step lists the whole
+    ring oldest first (-1 for slots not yet written)."""
     if start == 0:
         end = torch.arange(seqlen, device=device).unsqueeze(1)
-        cols = (end - win + 1).clamp(0) + torch.arange(min(seqlen, win), device=device)
+        cols = (end - win + 1).clamp(0) + torch.arange(win, device=device)
         return torch.where(cols > end, -1, cols).int()
     oldest = start % win + 1
     cols = torch.cat([torch.arange(oldest, win, device=device), torch.arange(oldest, device=device)])
     return torch.where(cols > start, -1, cols).int().unsqueeze(0)
+
+
+def chunk_window_columns(win: int, start: int, seqlen: int, device) -> torch.Tensor:
+    """The window columns of a prompt chunk at `start` > 0, whose keys follow the ring's `win` rows: per query
+    its window oldest first (the positions before the chunk in their ring slots), then -1 up to `win`, the
+    list one prefill of the whole prompt gives that query."""
+    q = torch.arange(start, start + seqlen, device=device).unsqueeze(1)
+    first = (q - win + 1).clamp(0)
+    pos = first + torch.arange(win, device=device)
+    cols = torch.where(pos < start, pos % win, win + pos - start)
+    return torch.where(pos > q, -1, cols).int()
 
 
 def candidate_mask(scores: torch.Tensor, visible, topk_blocks: int, block: int) -> torch.Tensor:
@@ -84,32 +103,34 @@ class Attention(nn.Module):
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, self.cfg.norm_eps)
         return fp8_fake_quant(rope_tail(kv, rot, self.rd))
 
-    def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> torch.Tensor:
+    def _window(self, kv: torch.Tensor, start: int, st: LayerState, step: bool) -> torch.Tensor:
         win = self.cfg.window_size
         s = kv.shape[0]
-        if start == 0:
+        if not step:
+            keys = kv if start == 0 else torch.cat([st.ring, kv])  # a later chunk reads the ring before it
             tail = kv[-win:]
-            slots = torch.arange(s - tail.shape[0], s, device=kv.device) % win
+            slots = torch.arange(start + s - tail.shape[0], start + s, device=kv.device) % win
             st.ring[slots] = tail
-            return kv
+            return keys
         st.ring[start % win] = kv[0]
         return st.ring
 
     def forward(self, x: torch.Tensor, start: int, st: LayerState, seq: V41SequenceState, shared: Shared):
         """x [S, D] bf16 (attn-normed) at positions start.. -> [S, D] bf16."""
         s = x.shape[0]
-        if start > 0 and s != 1:
-            raise ValueError("the contiguous V4.1 state takes a prefill from position 0, then one-token steps "
-                             f"(got {s} tokens at position {start}); chunked prefill comes with the paged state")
         rot = rope_table(self.inv_freq, torch.arange(start, start + s))
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, self.cfg.norm_eps)
         q = rope_tail(linear(qr, self.wq_b).unflatten(-1, (self.heads, self.hd)), rot, self.rd)
-        kv = self._window(self._keys(x, rot), start, st)
-        cols = window_columns(self.cfg.window_size, start, s, x.device).expand(s, -1)
+        step = start > 0 and s == 1 and not shared.prompt  # a decode step: the ring alone, as the reference
+        kv = self._window(self._keys(x, rot), start, st, step)
+        columns = window_columns if start == 0 or step else chunk_window_columns
+        cols = columns(self.cfg.window_size, start, s, x.device).expand(s, -1)
         if self.ratio:
             rows, picks = self._compressed(x, qr, start, st, seq, shared, offset=kv.shape[0])
             kv = torch.cat([kv, rows])
-            cols = torch.cat([cols, picks], dim=-1)
+            # every query lists `index_topk` picks (-1 past the rows it sees), whatever the forward's length
+            pad = picks.new_full((s, self.cfg.index_topk - picks.shape[-1]), -1)
+            cols = torch.cat([cols, picks, pad], dim=-1)
         o = sparse_attention(q, kv, self.sink, cols, self.hd**-0.5)
         return self.project_out(rope_tail(o, rot, self.rd, inverse=True))
 
@@ -120,26 +141,29 @@ class Attention(nn.Module):
         return linear(torch.einsum("bsgd,grd->bsgr", o, wo_a)[0].flatten(1), self.wo_b)
 
     # -- compressed rows and their selection ---------------------------------------------------------------
-    def _group_rot(self, start: int, s: int, n_new: int) -> torch.Tensor:
-        """Rotations of new compressed rows: row w stands for its group's first token, position w * ratio."""
+    def _group_rot(self, start: int, n_new: int) -> torch.Tensor:
+        """Rotations of new compressed rows: row w stands for its group's first token, position w * ratio; the
+        rows before position `start` are start // ratio."""
         r = self.ratio
-        pos = torch.arange(n_new) * r if start == 0 else torch.tensor([start + 1 - r])
-        return rope_table(self.inv_freq, pos)
+        return rope_table(self.inv_freq, (start // r + torch.arange(n_new)) * r)
 
-    def _compress(self, x: torch.Tensor, start: int, st: LayerState) -> torch.Tensor | None:
+    def _compress(self, x: torch.Tensor, start: int, st: LayerState, shared: Shared) -> torch.Tensor | None:
         """The new latents before RoPE (None while the group is open)."""
         r, eps = self.ratio, self.cfg.norm_eps
         if r == 1:
             return rms_norm(linear(x, self.c_wkv), self.c_norm, eps)
         xf = x.float()
-        kv, score = linear(xf, self.c_wkv), linear(xf, self.c_wgate)
-        if start == 0:
-            s = x.shape[0]
-            rem = s % r
-            cut = s - rem
+        kv, score = linear(xf, self.c_wkv, shared.min_rows), linear(xf, self.c_wgate, shared.min_rows)
+        if start == 0 or x.shape[0] > 1 or shared.prompt:
+            held = start % r  # a later chunk completes the group the tokens before it left open
+            if held:
+                kv, score = torch.cat([st.kv_open[:held], kv]), torch.cat([st.score_open[:held], score])
+            n = kv.shape[0]
+            rem = n % r
+            cut = n - rem
             if rem:
                 st.kv_open[:rem], st.score_open[:rem] = kv[cut:], score[cut:]
-            if s < r:
+            if n < r:
                 return None
             kv, score = kv[:cut].unflatten(0, (-1, r)), score[:cut].unflatten(0, (-1, r))
             pooled = (kv * score.softmax(dim=1)).sum(dim=1)
@@ -155,16 +179,16 @@ class Attention(nn.Module):
         s = x.shape[0]
         end = start + s
         visible_rows = end // self.ratio
-        latent = self._compress(x, start, st) if self.kv_source else None
+        latent = self._compress(x, start, st, shared) if self.kv_source else None
         if self.index_source:
             if visible_rows == 0:
                 picks = torch.empty(s, 0, dtype=torch.int32, device=x.device)
             else:
                 picks = self._index(x, qr, latent, start, st, seq, shared, offset)
-            shared.topk = picks
+            shared.topk, shared.topk_offset = picks, offset
         picks = shared.topk
         if latent is not None:
-            latent = fp4_fake_quant(rope_tail(latent, self._group_rot(start, s, latent.shape[0]), self.rd), 16, True)
+            latent = fp4_fake_quant(rope_tail(latent, self._group_rot(start, latent.shape[0]), self.rd), 16, True)
             st.rows = torch.cat([st.rows, latent])
         if self.kv_source:
             shared.rows = st.rows
@@ -174,10 +198,11 @@ class Attention(nn.Module):
         cfg, r = self.cfg, self.ratio
         s = x.shape[0]
         end = start + s
-        if self.owns_index_keys and latent is not None:
-            k = rms_norm(linear(latent, self.i_wk), self.i_k_norm, cfg.norm_eps)
-            k = fp4_fake_quant(rope_tail(k, self._group_rot(start, s, latent.shape[0]), self.rd), 32, False)
-            st.index_keys = torch.cat([st.index_keys, k])
+        if self.owns_index_keys and (latent is not None or shared.prompt):
+            if latent is not None:
+                k = rms_norm(linear(latent, self.i_wk), self.i_k_norm, cfg.norm_eps)
+                k = fp4_fake_quant(rope_tail(k, self._group_rot(start, latent.shape[0]), self.rd), 32, False)
+                st.index_keys = torch.cat([st.index_keys, k])
             seq.index_key_publisher = self.layer
         keys = self._published_keys(seq)[: end // r]
         rot = rope_table(self.inv_freq, torch.arange(start, end))
@@ -186,9 +211,9 @@ class Attention(nn.Module):
         w = linear(x, self.i_weights) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         score = torch.einsum("bshd,btd->bsht", q.unsqueeze(0), keys.unsqueeze(0))
         score = (score.relu_() * w.unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [S, T] bf16
-        if start == 0:
-            visible = (torch.arange(1, s + 1, device=x.device) // r).unsqueeze(-1)
-            score = score.masked_fill(torch.arange(s // r, device=x.device) >= visible, -torch.inf)
+        if s > 1:  # per query, the rows closed at or before it
+            visible = (torch.arange(start + 1, end + 1, device=x.device) // r).unsqueeze(-1)
+            score = score.masked_fill(torch.arange(end // r, device=x.device) >= visible, -torch.inf)
         else:
             visible = end // r
         if self.candidate_source:

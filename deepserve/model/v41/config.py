@@ -140,6 +140,24 @@ class V41Config:
             if getattr(self, name) % 32:
                 raise V41ConfigError(f"{name}={getattr(self, name)} must be a multiple of 32 (FP8/FP4 blocks)")
 
+    # -- what the engine reads (the names of V4's `ModelConfig`) ------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The HF config's `max_position_embeddings` (the reference's `max_seq_len`), else the YaRN-extended
+        length `original_seq_len * rope_factor`."""
+        n = self.raw.get("max_position_embeddings") or self.raw.get("max_seq_len")
+        if n:
+            return int(n)
+        if self.original_seq_len:
+            return int(self.original_seq_len * self.rope_factor)
+        raise V41ConfigError("the config gives no max_position_embeddings (or max_seq_len, or a YaRN "
+                             "original_max_position_embeddings)")
+
     # -- layer roles (v41-architecture.md §1.2) ---------------------------------------------------------------
     def kv_source_of(self, layer: int) -> int | None:
         """The kv source whose compressed cache (and index keys) `layer` reads: the nearest at or before it."""

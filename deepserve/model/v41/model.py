@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 (`deepseek_v41`, `DeepseekV41ForCausalLM`): blocks with shifted mHC, CSA2 attention, Engram,
 MoE, the head, and the DSpark drafter (v41-architecture.md §2-§6).
 
-`forward(ids, state)` runs a sequence's new tokens (a prefill from position 0, or one decode token) over its
+`forward(ids, state)` runs a sequence's new tokens (a prefill, a later prompt chunk, a decode token) over its
 caller-owned `V41SequenceState` and returns a `V41Output` (last or all-position logits, per-block outputs, the
 DSpark taps). `forward(..., forced=...)` feeds each block a given input instead of the previous block's output
 (the golden check's layer-forced protocol). `dspark_draft` drafts `dspark_block_size` tokens in one pass.
@@ -19,7 +19,7 @@ from .attention import Attention, DSparkAttention, Shared
 from .config import V41Config
 from .engram import Engram, EngramHasher
 from .moe import MoE
-from .numerics import QuantWeight, hc_collapse, hc_expand, hc_mixes, linear, rms_norm
+from .numerics import GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, rms_norm
 from .state import EngramStateSpec, V41SequenceState, contiguous_state, dspark_specs, layer_specs
 
 
@@ -37,19 +37,20 @@ class Block(nn.Module):
         self.attn_norm = self.ffn_norm = None
         self.hc_attn = self.hc_ffn = None  # (fn fp32 [(2+hc)*hc, hc*D], scale [3], base [(2+hc)*hc])
 
-    def _mix(self, x, site):
+    def _mix(self, x, site, min_rows=1):
         c = self.cfg
         fn, scale, base = site
-        return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, min_rows)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [S, hc, D] bf16, pre [S, hc] fp32; `attend(h)` runs this block's attention on the normed input."""
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, attend, min_rows: int = 1):
+        """x [S, hc, D] bf16, pre [S, hc] fp32; `attend(h)` runs this block's attention on the normed input.
+        Returns the streams and this FFN site's pre. `min_rows`: the plain GEMMs' row floor (`numerics.gemm`)."""
         eps = self.cfg.norm_eps
-        a_pre, a_post, a_comb = self._mix(x, self.hc_attn)
+        a_pre, a_post, a_comb = self._mix(x, self.hc_attn, min_rows)
         h = attend(rms_norm(hc_collapse(x, pre), self.attn_norm, eps))
         x = hc_expand(h, x, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mix(x, self.hc_ffn)
-        h = self.ffn(rms_norm(hc_collapse(x, a_pre), self.ffn_norm, eps))
+        f_pre, f_post, f_comb = self._mix(x, self.hc_ffn, min_rows)
+        h = self.ffn(rms_norm(hc_collapse(x, a_pre), self.ffn_norm, eps), min_rows)
         return hc_expand(h, x, f_post, f_comb), f_pre
 
 
@@ -108,9 +109,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         return h, pre
 
     @torch.inference_mode()
-    def forward(self, ids, state: V41SequenceState, all_logits: bool = False, forced=None) -> V41Output:
+    def forward(self, ids, state: V41SequenceState, all_logits: bool = False, forced=None,
+                prompt: bool = False) -> V41Output:
         """Run `ids` (token ids at positions state.num_tokens..) through the backbone, updating `state`.
-        forced: {block j: (x_in [S, hc, D], pre_in [S, hc])} inputs that replace block j-1's outputs."""
+        forced: {block j: (x_in [S, hc, D], pre_in [S, hc])} inputs that replace block j-1's outputs.
+        prompt: `ids` continue a prompt (a later chunk): its index sources read what one prefill of the whole
+        prompt reads, where a decode step of one token reads the reference's stale index keys (`Shared`)."""
         c = self.cfg
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         start = state.num_tokens
@@ -123,7 +127,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         elif c.engram_layer_ids:
             raise RuntimeError("this V4.1 model has Engram layers but was built without a tokenizer")
         h, pre = self.embed_streams(ids.to(self.embed.device))
-        shared, taps = Shared(), []
+        # prefills and prompt chunks: row-count-invariant GEMMs (chunks compute one prefill); decode as the reference
+        min_rows = GEMM_ROWS if start == 0 or prompt else 1
+        shared, taps = Shared(prompt=prompt, min_rows=min_rows), []
         for j, blk in enumerate(self.layers):
             if forced is not None and j in forced:
                 h, pre = forced[j]
@@ -134,23 +140,22 @@ class DeepseekV41ForCausalLM(nn.Module):
             if j in c.dspark_target_layer_ids:
                 taps.append(h.mean(dim=1))
             st = state.layers[j]
-            h, pre = blk(h, pre, lambda x, blk=blk, st=st: blk.attn(x, start, st, state, shared))
+            h, pre = blk(h, pre, lambda x, blk=blk, st=st: blk.attn(x, start, st, state, shared), min_rows)
             if blk.attn.index_source and shared.topk is not None:
-                off = c.window_size if start else ids.shape[0]
-                out.topk[j] = torch.where(shared.topk >= 0, shared.topk - off, -1)
+                out.topk[j] = torch.where(shared.topk >= 0, shared.topk - shared.topk_offset, -1)
             if blk.attn.candidate_source:
                 out.candidates = shared.candidates
             out.x_out.append(h)
             out.pre_out.append(pre)
         state.num_tokens = start + ids.shape[0]
         hidden = rms_norm(hc_collapse(h, pre), self.norm, c.norm_eps)
-        out.logits = self.logits(hidden if all_logits else hidden[-1:])
+        out.logits = self.logits(hidden if all_logits else hidden[-1:], min_rows)
         out.logits = out.logits if all_logits else out.logits[0]
         out.main_hidden = torch.cat(taps, dim=-1) if taps else None
         return out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.head)
+    def logits(self, hidden: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        return gemm(hidden.float(), self.head, min_rows)
 
     def final_logits(self, x_out: torch.Tensor, pre_out: torch.Tensor) -> torch.Tensor:
         """All-position logits from the last block's streams and pre (for a layer-forced comparison)."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import V41Config
-from .numerics import QuantWeight, linear, topk_low_ties
+from .numerics import QuantWeight, gemm, linear, topk_low_ties
 
 
 class Expert:
@@ -41,9 +41,9 @@ class MoE(nn.Module):
         self.experts: list[Expert] = []
         self.shared: Expert | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        scores = F.linear(x.float(), self.gate_weight.float()) / c.gate_temp
+        scores = gemm(x.float(), self.gate_weight.float(), min_rows) / c.gate_temp
         if c.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif c.score_func == "sigmoid":
@@ -57,8 +57,8 @@ class MoE(nn.Module):
         weights *= c.route_scale
         return weights, idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.route(x)
+    def forward(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        weights, idx = self.route(x, min_rows)
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)

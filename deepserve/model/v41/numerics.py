@@ -135,11 +135,29 @@ class QuantWeight:
         return out.to(torch.bfloat16).view(*lead, -1)
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """A projection in the weight's own precision: QuantWeight, else a plain bf16/fp32 GEMM in x's dtype."""
+#: rows a plain GEMM of a prefill or prompt chunk is computed with at least (`gemm`)
+GEMM_ROWS = 8
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """`F.linear(x, w)` over x [..., K], computed with at least `min_rows` rows (zero rows padded, dropped after).
+    CPU BLAS takes another kernel below a few rows, whose last bits differ: with `min_rows` = GEMM_ROWS a
+    row's result does not depend on how many rows share its call, so a prompt in chunks of any size computes
+    what one prefill does. Decode steps keep one row (`min_rows` 1), as the reference computes them."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n >= min_rows:
+        return torch.nn.functional.linear(x, w)
+    flat = torch.cat([flat, flat.new_zeros(min_rows - n, flat.shape[1])])
+    return torch.nn.functional.linear(flat, w)[:n].view(*x.shape[:-1], -1)
+
+
+def linear(x: torch.Tensor, w, min_rows: int = 1) -> torch.Tensor:
+    """A projection in the weight's own precision: QuantWeight (whose block GEMM is the same at any row
+    count), else a plain bf16/fp32 GEMM in x's dtype (`gemm`)."""
     if isinstance(w, QuantWeight):
         return w(x)
-    return torch.nn.functional.linear(x, w)
+    return gemm(x, w, min_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,12 +245,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
 # ----------------------------------------------------------------------------------------------------------- mHC
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-             hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             hc_eps: float, norm_eps: float, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mix of one mHC site from its streams x [S, hc, D]: (pre [S, hc], post [S, hc], comb [S, hc, hc]),
     comb made doubly stochastic by Sinkhorn (softmax rows + eps, one column pass, then iters-1 row/column
-    rounds). All fp32."""
+    rounds). All fp32. `min_rows` > 1: the rows are computed padded to a multiple of `min_rows` (see `gemm`;
+    torch's vectorized exp and sigmoid can differ in the last ulp from their scalar tail, so a row's mix must
+    not depend on where the call's element count leaves the tail)."""
+    s = x.shape[0]
+    if min_rows > 1 and s % min_rows:
+        x = torch.cat([x, x.new_zeros(min_rows - s % min_rows, *x.shape[1:])])
     flat = x.flatten(1).float().unsqueeze(0)  # [1, S, hc*D]: the batched shape the reference multiplies
-    m = (torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps))[0]
+    m = (gemm(flat, fn, min_rows) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps))[0]
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -243,7 +266,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return pre[:s], post[:s], comb[:s]
 
 
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""`build_engine` for a V4.1 checkpoint (`model_type` `deepseek_v41`): the model, its per-sequence states, the
+runner, and the same KV manager, scheduler and `EngineCore` as V4's engine (`deepserve.build`).
+
+The states are contiguous per sequence (`V41StatePool`); the KV manager's pages count their tokens (sized from
+the kv sources' bytes per token and `kv_cache_bytes`) and carry the prefix hashes, and page-boundary snapshots
+serve prefix hits. The V4.1 path runs on the CPU in the reference's bf16 dataflow; options it does not have
+yet (a device backend, speculation, cache tiers, scale-out, CUDA graphs) are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from deepserve.core.config import EngineConfig
+from deepserve.core.engine import EngineCore
+from deepserve.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class V41EngineCore(EngineCore):
+    """`EngineCore` that refuses image tokens at admission (text only until the vision-encoder role)."""
+
+    def __init__(self, *args, image_token_id: int = -1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.image_token_id = image_token_id
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    *args, **kwargs) -> None:
+        if self.image_token_id >= 0 and self.image_token_id in prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt holds the image token {self.image_token_id}; V4.1 "
+                             "image inputs need the vision tower (the vision-encoder role), which deepserve does "
+                             "not have yet: text only")
+        super().add_request(request_id, prompt_token_ids, params, *args, **kwargs)
+
+
+def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
+    refused = {
+        "speculative_config": config.speculative_config is not None,
+        "data_parallel_size / enable_expert_parallel": config.distributed,
+        "host_cache_bytes / kv_store": config.host_cache_bytes is not None or config.kv_store is not None,
+        "kv_events_config": config.kv_events_config is not None and config.kv_events_config.enabled,
+        "tensor_parallel_size": config.tensor_parallel_size != 1,
+    }
+    named = [k for k, on in refused.items() if on]
+    if named:
+        raise ValueError(f"the V4.1 engine path does not take {', '.join(named)} yet")
+    if device.type != "cpu":
+        raise ValueError(f"the V4.1 engine path runs on the CPU so far (its model has no {device.type} kernels); "
+                         "pass accelerator='cpu'")
+    if config.dtype not in ("auto", "bfloat16"):
+        raise ValueError(f"dtype {config.dtype!r}: V4.1 runs the reference's bf16 dataflow over its stored "
+                         "FP8/FP4 weights (dtype 'auto' or 'bfloat16')")
+
+
+def page_bytes(owners: dict[str, list], page_size: int) -> int:
+    """Bytes a page of tokens costs a sequence: the kv sources' compressed rows and index keys (every other
+    layer owns only its fixed window ring)."""
+    return max(1, math.ceil(page_size * sum(s.bytes_per_token() for s in owners["layers"])))
+
+
+def build_v41_engine(config: EngineConfig, pm):
+    """The `EngineParts` of a V4.1 checkpoint directory `config.model` (see `deepserve.build.build_engine`)."""
+    from deepserve.build import DEFAULT_CPU_KV_CACHE_BYTES, EngineParts, _grammar_compiler
+    from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
+    from deepserve.core.kv.store import StoreRegistry
+    from deepserve.core.plugins import collect_registrations, select_backend
+    from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
+    from deepserve.core.scheduler.scheduler import Scheduler
+    from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    from .loader import load_v41
+    from .runner import V41ModelRunner
+    from .state import V41StatePool
+
+    backend = select_backend(pm, config)
+    _refuse_unsupported(config, torch.device(backend.device))
+    model = load_v41(config.model)
+    cfg = model.cfg
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
+
+    block_size, max_num_seqs = config.block_size, config.max_num_seqs
+    owners = model.state_owners()
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    num_pages = min(pages_for_budget(budget, page_bytes(owners, block_size)),
+                    max_num_seqs * math.ceil(max_model_len / block_size))
+    kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
+    states = V41StatePool(owners, max_num_seqs, block_size)
+    cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
+    scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                          cfg.eos_token_ids)
+    decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
+    runner = V41ModelRunner(model, backend, states, decode)
+    detok = (lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip)) if tokenizer else None
+    engine = V41EngineCore(scheduler, runner, page_size=block_size, enable_prefix_caching=config.enable_prefix_caching,
+                           make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
+                           seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
+                           image_token_id=cfg.image_token_id)
+    logger.info("deepserve: %s (V4.1) on %s, max_model_len %d, %d pages of %d tokens", config.model,
+                backend.device, max_model_len, num_pages, block_size)
+    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+    return EngineParts(config, pm, backend, model, tokenizer, max_model_len, None, kv_manager, states, cost_model,
+                       None, runner, engine, stores)

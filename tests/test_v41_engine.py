@@ -1,0 +1,115 @@
+"""V4.1 through the engine: `LLM(model=<V4.1 dir>)` builds the V4.1 runner; chunked prefill computes what one
+prefill does; continuous batching, greedy generation and prefix hits give the contiguous model's own greedy
+tokens, also through the server; image tokens and options the V4.1 path lacks are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepserve import LLM
+from deepserve.core.sampling_params import SamplingParams
+from deepserve.model.v41 import load_v41
+from deepserve.model.v41.runner import V41ModelRunner
+
+GOLDEN = Path(__file__).parent / "golden" / "v41"
+TINY_A, TINY_B = GOLDEN / "tiny_a" / "tiny", GOLDEN / "tiny_b" / "tiny"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """The contiguous model's own greedy decode: one prefill, then one-token steps."""
+    state, out = model.make_state(), []
+    logits = model.forward(ids, state).logits
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward([out[-1]], state).logits
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm():
+    torch.set_num_threads(1)
+    return LLM(model=str(TINY_A), max_num_seqs=4, max_num_batched_tokens=24, block_size=128)
+
+
+@pytest.mark.parametrize("tiny, splits", [(TINY_A, [1, 4, 27, 1, 37]), (TINY_B, [3, 1, 1, 17, 48])])
+def test_a_prompt_in_chunks_computes_one_prefill(tiny, splits):
+    """Chunks at any position, one-token chunks at open ratio-2 groups included (prompt=True reads the index
+    keys one prefill reads): the logits of every position stay within 1e-5 of one prefill's, same argmax."""
+    torch.set_num_threads(1)
+    model = load_v41(tiny)
+    ids = prompt(sum(splits), seed=3)
+    whole = model.forward(ids, model.make_state(), all_logits=True).logits
+    state, parts, pos = model.make_state(), [], 0
+    for n in splits:
+        parts.append(model.forward(ids[pos : pos + n], state, all_logits=True, prompt=True).logits.view(n, -1))
+        pos += n
+    chunked = torch.cat(parts)
+    assert (chunked - whole).abs().max() < 1e-5
+    assert torch.equal(chunked.argmax(-1), whole.argmax(-1))
+    assert state.layers[2].rows.shape[0] == len(ids) // 2  # the ratio-2 source closed every group
+
+
+def test_generate_batches_sequences_and_equals_the_models_greedy(llm):
+    assert isinstance(llm.runner, V41ModelRunner)
+    prompts = [prompt(n, seed) for seed, n in enumerate((5, 23, 50))]  # 50 > 24: prefilled in chunks
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.engine.stats.num_steps < 3 * 6  # the sequences decoded together
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == greedy(llm.model, p, 6)
+
+
+def test_a_prefix_hit_gives_the_cold_runs_tokens(llm):
+    shared = prompt(130, seed=7)  # one full page of 128 tokens
+    a, b = shared + prompt(6, seed=8), shared + prompt(9, seed=9)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = llm.kv_manager.num_prefix_hits
+    out_a = llm.generate([a], sp, use_tqdm=False)[0]
+    out_b = llm.generate([b], sp, use_tqdm=False)[0]
+    assert llm.kv_manager.num_prefix_hits - before == 128  # b started from a's page-boundary snapshot
+    assert list(out_a.outputs[0].token_ids) == greedy(llm.model, a, 4)
+    assert list(out_b.outputs[0].token_ids) == greedy(llm.model, b, 4)
+
+
+def test_text_prompts_use_the_checkpoints_tokenizer(llm):
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    ids = llm.tokenizer.encode("hello world")
+    assert list(out.prompt_token_ids) == ids
+    assert list(out.outputs[0].token_ids) == greedy(llm.model, ids, 3)
+    assert out.outputs[0].text == llm.tokenizer.decode(list(out.outputs[0].token_ids))
+
+
+def test_image_tokens_and_missing_options_are_refused(llm):
+    llm.engine.image_token_id = 7  # tiny_a's own image token lies outside its vocabulary
+    try:
+        with pytest.raises(ValueError, match="image token 7.*vision-encoder role"):
+            llm.engine.add_request("img", [3, 7, 4], SamplingParams(max_tokens=1))
+    finally:
+        llm.engine.image_token_id = llm.model.cfg.image_token_id
+    with pytest.raises(ValueError, match="does not take speculative_config"):
+        LLM(model=str(TINY_A), speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+
+
+async def test_the_server_serves_it(aiohttp_client):
+    from deepserve.core.plugins import make_plugin_manager
+    from deepserve.model.tokenizer import Tokenizer
+    from deepserve.server import ServerConfig, create_app
+
+    torch.set_num_threads(1)
+    config = ServerConfig(model=str(TINY_A), served_model_name="v41", engine_kwargs={"block_size": 128})
+    client = await aiohttp_client(create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False)))
+    ids = prompt(12, seed=5)
+    r = await client.post("/v1/completions", json={"model": "v41", "prompt": ids, "max_tokens": 4,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert body["choices"][0]["text"] == Tokenizer(TINY_A).decode(greedy(load_v41(TINY_A), ids, 4))
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (12, 4)
