@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepserve.core.async_engine import EngineDeadError
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.server.admission import Ticket, shutdown_error
 from deepserve.server.completion_choices import Choice, finish_of, merged
+from deepserve.server.engine_errors import engine_errors, failure_reason
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
@@ -140,26 +140,24 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
         and max(len(ids) for _, ids in prompts) > engine.engine.page_size
     sse, failed = None, None
     try:
-        outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share)
-        async with contextlib.aclosing(outs):
-            async for choice, out in outs:
-                choice.seen(out)
-                if out.finished and out.outputs[0].finish_reason == "abort":
-                    failed = choice  # a failed grammar or the shutdown: a 4xx/503, or the error event below
-                    break
-                if not stream:
-                    continue
-                if sse is None:
-                    sse = await open_sse(request)
-                chunk = {**head, "choices": [choice.delta(out, model, params)],
-                         **({"usage": None} if include_usage else {})}
-                await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
-    except EngineDeadError:
-        _finish_timers(choices, "error")
-        raise ApiError(503, "the engine has stopped; the server needs a restart") from None
-    except ValueError as exc:  # the engine refused the request
-        _finish_timers(choices, "error")
-        raise ApiError(400, str(exc)) from None
+        with engine_errors():
+            outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share)
+            async with contextlib.aclosing(outs):
+                async for choice, out in outs:
+                    choice.seen(out)
+                    if out.finished and out.outputs[0].finish_reason == "abort":
+                        failed = choice  # a failed grammar or the shutdown: a 4xx/503, or the error event below
+                        break
+                    if not stream:
+                        continue
+                    if sse is None:
+                        sse = await open_sse(request)
+                    chunk = {**head, "choices": [choice.delta(out, model, params)],
+                             **({"usage": None} if include_usage else {})}
+                    await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
+    except ApiError as error:
+        _finish_timers(choices, failure_reason(error))
+        raise
     finally:
         for choice in choices:  # unless it ended normally, the client left ("abort")
             final = choice.final

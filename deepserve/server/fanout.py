@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepserve.core.async_engine import EngineDeadError
-from deepserve.server.admission import SHUTDOWN_CODE, Ticket
+from deepserve.server.admission import Ticket
+from deepserve.server.engine_errors import engine_errors, failure_reason
 from deepserve.server.errors import ApiError
-from deepserve.server.generation import Translator, stream_error
+from deepserve.server.generation import Translator, fail_stream
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.recipe import Prepared
 from deepserve.server.state import ENGINE, METRICS, MODEL
@@ -47,7 +47,7 @@ async def serve_choices(request: web.Request, prepared: Prepared, ticket: Ticket
     try:
         return await _run(request, siblings, translators, ticket)
     except ApiError as error:
-        failure = "abort" if error.code == SHUTDOWN_CODE else "error"
+        failure = failure_reason(error)
         raise
     finally:
         for t in translators:
@@ -91,49 +91,44 @@ async def _run(request: web.Request, siblings: list[Prepared], translators: list
     began = [False] * len(siblings)
     tasks = [asyncio.create_task(pump(j)) for j in range(len(siblings))]
     try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            j, out = item
-            t = translators[j]
-            if t.done:
-                continue
-            fresh, began[j] = not began[j], True
-            events = t.first(out) if fresh else []
-            events += t.events(out)
-            if fresh and not first.stream:
-                accumulated[j] = response_type(first.request_id, model.name, int(time.time()),
-                                               t.num_prompt_tokens, out.num_cached_tokens)
-            if first.stream:
-                if sse is None:
-                    sse = await open_sse(request)
-                chunks = []
-                for event in events:
-                    data = json.loads(t.usage.patch(event.to_json()) if t.done else event.to_json())
-                    if isinstance(data.get("usage"), dict):
-                        usages[j], data["usage"] = data["usage"], None  # one usage chunk for all, at the end
-                        if not data.get("choices"):
-                            continue
-                    chunks.append(sse_message(json.dumps(_indexed(data, j), ensure_ascii=False)))
-                await sse.write(b"".join(chunks))
-            else:
-                for event in events:
-                    accumulated[j].accumulate(event)
-    except EngineDeadError:
-        raise ApiError(503, "the engine has stopped; the server needs a restart") from None
-    except ValueError as exc:  # the engine refused the request
-        raise ApiError(400, str(exc)) from None
+        with engine_errors():
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                j, out = item
+                t = translators[j]
+                if t.done:
+                    continue
+                fresh, began[j] = not began[j], True
+                events = t.first(out) if fresh else []
+                events += t.events(out)
+                if fresh and not first.stream:
+                    accumulated[j] = response_type(first.request_id, model.name, int(time.time()),
+                                                   t.num_prompt_tokens, out.num_cached_tokens)
+                if first.stream:
+                    if sse is None:
+                        sse = await open_sse(request)
+                    chunks = []
+                    for event in events:
+                        data = json.loads(t.usage.patch(event.to_json()) if t.done else event.to_json())
+                        if isinstance(data.get("usage"), dict):
+                            usages[j], data["usage"] = data["usage"], None  # one usage chunk for all, at the end
+                            if not data.get("choices"):
+                                continue
+                        chunks.append(sse_message(json.dumps(_indexed(data, j), ensure_ascii=False)))
+                    await sse.write(b"".join(chunks))
+                else:
+                    for event in events:
+                        accumulated[j].accumulate(event)
     except ApiError as error:
         if sse is None:
             raise
-        await sse.write(stream_error(first, error))
-        for t in translators:
-            t.failed, t.reason = True, "abort" if error.code == SHUTDOWN_CODE else "error"
+        await fail_stream(sse, first, error, translators)
         await sse.write_eof()
         return sse
     finally:

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import deepseek_recipe as dr
 from aiohttp import web
 
-from deepserve.core.async_engine import EngineDeadError
 from deepserve.core.outputs import PositionLogprobs, RequestOutput
-from deepserve.server.admission import SHUTDOWN_CODE, Ticket, shutdown_error
+from deepserve.server.admission import Ticket, shutdown_error
+from deepserve.server.engine_errors import engine_errors, failure_reason
 from deepserve.server.errors import ERROR_TYPES, ApiError, error_body
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.metrics import RequestTimer
@@ -47,7 +47,7 @@ async def serve_prepared(request: web.Request, prepared: Prepared, ticket: Ticke
         response, reason = await _run(request, prepared, Translator(prepared, request.app[MODEL].eos_token_ids, timer))
         return response
     except ApiError as error:
-        reason = "abort" if error.code == SHUTDOWN_CODE else "error"
+        reason = failure_reason(error)
         raise
     finally:
         timer.finish(reason)
@@ -107,34 +107,29 @@ async def _run(request: web.Request, prepared: Prepared,
     stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id, views=True)
     async with contextlib.aclosing(stream):
         try:
-            async for out in stream:
-                first = sse is None and accumulated is None
-                events = translator.first(out) if first else []
-                events += translator.events(out)  # an error here, before the response starts, is plain JSON
-                if first and prepared.stream:
-                    sse = await open_sse(request)
-                elif first:
-                    accumulated = response_type(prepared.request_id, model.name, int(time.time()),
-                                                translator.num_prompt_tokens, out.num_cached_tokens)
-                if sse is not None:  # the usage is in the events that end the response
-                    patch = translator.usage.patch if translator.done else _same
-                    await sse.write(b"".join(sse_message(patch(e.to_json()), response_type.sse_event_name(e))
-                                             for e in events))
-                else:
-                    for event in events:
-                        accumulated.accumulate(event)
-                if translator.done:
-                    break  # closing the engine stream aborts the request if the engine has not finished it
-        except EngineDeadError:
-            raise ApiError(503, "the engine has stopped; the server needs a restart") from None
-        except ValueError as exc:  # the engine refused the request
-            raise ApiError(400, str(exc)) from None
+            with engine_errors():
+                async for out in stream:
+                    first = sse is None and accumulated is None
+                    events = translator.first(out) if first else []
+                    events += translator.events(out)  # an error here, before the response starts, is plain JSON
+                    if first and prepared.stream:
+                        sse = await open_sse(request)
+                    elif first:
+                        accumulated = response_type(prepared.request_id, model.name, int(time.time()),
+                                                    translator.num_prompt_tokens, out.num_cached_tokens)
+                    if sse is not None:  # the usage is in the events that end the response
+                        patch = translator.usage.patch if translator.done else _same
+                        await sse.write(b"".join(sse_message(patch(e.to_json()), response_type.sse_event_name(e))
+                                                 for e in events))
+                    else:
+                        for event in events:
+                            accumulated.accumulate(event)
+                    if translator.done:
+                        break  # closing the engine stream aborts the request if the engine has not finished it
         except ApiError as error:
             if sse is None:
                 raise
-            await sse.write(stream_error(prepared, error))
-            translator.failed = True
-            translator.reason = "abort" if error.code == SHUTDOWN_CODE else "error"
+            await fail_stream(sse, prepared, error, [translator])
         finally:
             if not translator.done:
                 prepared.processor.close()
@@ -172,6 +167,14 @@ def _logprobs(token_ids: Sequence[int], entries: list[PositionLogprobs] | None, 
         ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))[:top_n]
         result.append((entry[token_ids[position]].logprob, [(tid, lp.logprob) for tid, lp in ranked]))
     return result
+
+
+async def fail_stream(sse: web.StreamResponse, prepared: Prepared, error: ApiError,
+                      translators: Sequence[Translator]) -> None:
+    """End a started stream with `error` (the protocol's error event); its choices count as failed."""
+    await sse.write(stream_error(prepared, error))
+    for translator in translators:
+        translator.failed, translator.reason = True, failure_reason(error)
 
 
 def stream_error(prepared: Prepared, error: ApiError) -> bytes:
