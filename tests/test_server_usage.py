@@ -70,6 +70,27 @@ async def test_reasoning_tokens_never_exceed_the_output(aiohttp_client, chat_dir
             assert usage[output] == 12 and usage[details]["reasoning_tokens"] == 12, (path, seed, usage)
 
 
+async def test_usage_without_thinking_says_zero_reasoning_tokens(client):
+    """OpenAI's usages always carry `reasoning_tokens` (the openai SDK's users read
+    `usage.completion_tokens_details.reasoning_tokens` unguarded); the recipe left the object out without
+    thinking (the server's default). Anthropic's usage has no such field and gets none."""
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": USER, "max_tokens": 3,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {})})
+        usage = json.loads(parse_sse(await r.text())[-2][1])["usage"] if stream else (await r.json())["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}, (stream, usage)
+    answer = await (await client.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                                             "max_output_tokens": 3})).json()
+    assert answer["usage"]["output_tokens_details"]["reasoning_tokens"] == 0, answer["usage"]
+    n2 = await (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2,
+                                                                "n": 2})).json()
+    assert n2["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}, n2["usage"]
+    message = await (await client.post("/v1/messages", json={"model": MODEL, "messages": USER,
+                                                             "max_tokens": 3})).json()
+    assert "output_tokens_details" not in message["usage"], message["usage"]
+
+
 async def test_reasoning_tokens_end_at_the_end_of_thinking(aiohttp_client):
     """The embedded model closes its reasoning: reasoning tokens are the output tokens before </think>, as the
     engine generated them for the same prompt and parameters."""

@@ -5,7 +5,8 @@ a UTF-8 character is left out) and reasoning tokens from the reasoning text, so 
 `completion_tokens` (541 of 536). `OutputUsage` counts instead what the engine generated and the processor was
 given: every output token (a final EOS included, as the engine and `deepserve_generation_tokens_total` count
 it), and as reasoning the tokens before the end-of-thinking token when the response starts in reasoning.
-`patch` writes these counts into the usage of the protocol's final event or accumulated response.
+`patch` writes these counts into the usage of the protocol's final event or accumulated response, with
+`reasoning_tokens` (0 without thinking) always present in OpenAI's chat and Responses usages, as OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class OutputUsage:
             usage[output] = self.num_tokens
             if "total_tokens" in usage:
                 usage["total_tokens"] = usage.get(prompt, 0) + self.num_tokens
+            if usage.get(details) is None and "total_tokens" in usage:
+                # OpenAI's chat and Responses usages always carry the reasoning count (0 without thinking), which
+                # clients read without a None check; the recipe leaves the object out (Anthropic's has none)
+                usage[details] = {"reasoning_tokens": 0}
             if isinstance(usage.get(details), dict) and "reasoning_tokens" in usage[details]:
                 usage[details]["reasoning_tokens"] = self._reasoning(usage[details]["reasoning_tokens"])
         return json.dumps(body, ensure_ascii=False)
