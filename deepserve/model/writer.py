@@ -38,12 +38,18 @@ def save_checkpoint(model: DeepseekV4ForCausalLM, path: str | os.PathLike, quant
     scheme = scheme or QuantScheme((FP8_BLOCK, FP8_BLOCK), "fp4")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # copies: projections that share an input are views into one stacked weight (`common.SharedInput`)
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    if quantization == "fp8":
-        for name in list(state):
-            if scale_name(name) not in state and (q := quantize_stored(name, state[name], scheme)) is not None:
-                state[name], state[scale_name(name)] = q
+    # copies: projections that share an input are views into one stacked weight (`common.SharedInput`);
+    # quantized where the weights are (a GPU quantizes a full-depth model in seconds), then copied to the host
+    live = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in live.items():
+        quantized = None
+        if quantization == "fp8" and scale_name(name) not in live:
+            quantized = quantize_stored(name, tensor.detach(), scheme)
+        if quantized is None:
+            state[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        else:
+            state[name], state[scale_name(name)] = (t.to("cpu", copy=True).contiguous() for t in quantized)
     stored = any(name.endswith("_scale_inv") for name in state)
     state = _split_stored_experts(state)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
