@@ -189,7 +189,7 @@ class Attention(nn.Module):
         picks = shared.topk
         if latent is not None:
             latent = fp4_fake_quant(rope_tail(latent, self._group_rot(start, latent.shape[0]), self.rd), 16, True)
-            st.rows = torch.cat([st.rows, latent])
+            st.append_rows(latent)
         if self.kv_source:
             shared.rows = st.rows
         return shared.rows[:visible_rows], picks
@@ -202,7 +202,7 @@ class Attention(nn.Module):
             if latent is not None:
                 k = rms_norm(linear(latent, self.i_wk), self.i_k_norm, cfg.norm_eps)
                 k = fp4_fake_quant(rope_tail(k, self._group_rot(start, latent.shape[0]), self.rd), 32, False)
-                st.index_keys = torch.cat([st.index_keys, k])
+                st.append_index_keys(k)
             seq.index_key_publisher = self.layer
         keys = self._published_keys(seq)[: end // r]
         rot = rope_table(self.inv_freq, torch.arange(start, end))

@@ -1,9 +1,9 @@
 """`build_engine` for a V4.1 checkpoint (`model_type` `deepseek_v41`): the model, its per-sequence states, the
 runner, and the same KV manager, scheduler and `EngineCore` as V4's engine (`deepserve.build`).
 
-The states are contiguous per sequence (`V41StatePool`); the KV manager's pages count their tokens (sized from
-the kv sources' bytes per token and `kv_cache_bytes`) and carry the prefix hashes, and page-boundary snapshots
-serve prefix hits. The V4.1 path runs on the CPU in the reference's bf16 dataflow; options it does not have
+The states live in the KV manager's pages (`paged.V41PagedStates`: the kv sources' rows and index keys, and
+each page's boundary snapshot for prefix hits; rings and open groups per sequence slot), as many pages as
+`kv_cache_bytes` holds. The V4.1 path runs on the CPU in the reference's bf16 dataflow; options it does not have
 yet (a device backend, speculation, cache tiers, scale-out, CUDA graphs) are refused by name.
 """
 
@@ -58,12 +58,6 @@ def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
                          "FP8/FP4 weights (dtype 'auto' or 'bfloat16')")
 
 
-def page_bytes(owners: dict[str, list], page_size: int) -> int:
-    """Bytes a page of tokens costs a sequence: the kv sources' compressed rows and index keys (every other
-    layer owns only its fixed window ring)."""
-    return max(1, math.ceil(page_size * sum(s.bytes_per_token() for s in owners["layers"])))
-
-
 def build_v41_engine(config: EngineConfig, pm):
     """The `EngineParts` of a V4.1 checkpoint directory `config.model` (see `deepserve.build.build_engine`)."""
     from deepserve.build import DEFAULT_CPU_KV_CACHE_BYTES, EngineParts, _grammar_compiler
@@ -75,8 +69,8 @@ def build_v41_engine(config: EngineConfig, pm):
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     from .loader import load_v41
+    from .paged import V41PagedStates, bytes_per_page
     from .runner import V41ModelRunner
-    from .state import V41StatePool
 
     backend = select_backend(pm, config)
     _refuse_unsupported(config, torch.device(backend.device))
@@ -88,10 +82,10 @@ def build_v41_engine(config: EngineConfig, pm):
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
     owners = model.state_owners()
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
-    num_pages = min(pages_for_budget(budget, page_bytes(owners, block_size)),
+    num_pages = min(pages_for_budget(budget, bytes_per_page(owners, block_size)),
                     max_num_seqs * math.ceil(max_model_len / block_size))
     kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
-    states = V41StatePool(owners, max_num_seqs, block_size)
+    states = V41PagedStates(owners, max_num_seqs, num_pages, block_size)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
                           cfg.eos_token_ids)

@@ -1,5 +1,5 @@
 """The engine's V4.1 runner: `ModelRunner`'s step (placeholders, sampling, logprobs, grammar masks) over V4.1's
-per-sequence states (`V41StatePool`).
+sequence states in pages (`paged.V41PagedStates`).
 
 A step's chunks run one sequence at a time through `DeepseekV41ForCausalLM.forward`; a chunk stops at every
 page boundary the engine asks a snapshot for (a prefix hit there restores it), which changes nothing in the
@@ -18,11 +18,12 @@ from ..batch import ForwardBatch
 from ..deepseek_v4 import ForwardOutput
 from ..runner import ModelRunner
 from .model import DeepseekV41ForCausalLM
-from .state import V41SequenceState, V41StatePool
+from .paged import V41PagedStates
+from .state import V41SequenceState
 
 
 class V41ModelRunner(ModelRunner):
-    def __init__(self, model: DeepseekV41ForCausalLM, backend: Backend, states: V41StatePool, decode=None) -> None:
+    def __init__(self, model: DeepseekV41ForCausalLM, backend: Backend, states: V41PagedStates, decode=None) -> None:
         super().__init__(model, backend, states, decode)
         self._decoding: set[str] = set()  # requests that sampled since their state was made
         self._step_chunks: list[ChunkInput] = []

@@ -3,7 +3,8 @@
 Only the kv sources grow per token (their compressed rows and index keys, and a ratio-2 source's open group);
 every other layer owns nothing per token but its window ring, and reads its source's rows. Engram keeps the
 last max_ngram-1 normalized token ids. The DSpark blocks own rings of main keys. The specs say what a cache must
-allocate; `contiguous_state` builds self-contained storage (tests, one-off runs; the paged cache comes next).
+allocate; `contiguous_state` builds self-contained storage (tests, one-off runs); `paged.py` keeps the engine's
+sequences in pages.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ class LayerState:
     kv_open: torch.Tensor | None = None  # [ratio, width] fp32: the open group's projected kv
     score_open: torch.Tensor | None = None  # [ratio, width] fp32: its gate scores (-inf when empty)
 
+    # a layer state's interface to the attention (`paged.PagedLayerState` keeps the same one over pages):
+    # `ring`, `kv_open`, `score_open` are written in place; `rows` and `index_keys` read the rows so far
+    def append_rows(self, rows: torch.Tensor) -> None:
+        self.rows = torch.cat([self.rows, rows])
+
+    def append_index_keys(self, keys: torch.Tensor) -> None:
+        self.index_keys = torch.cat([self.index_keys, keys])
+
 
 @dataclass
 class V41SequenceState:
@@ -105,65 +114,3 @@ def contiguous_state(owners: dict[str, list], device="cpu") -> V41SequenceState:
     return V41SequenceState(layers=[_layer_state(s, device) for s in owners["layers"]],
                             dspark=[_layer_state(s, device) for s in owners.get("dspark_layers", [])])
 
-
-def _copy_layer(st: LayerState) -> LayerState:
-    """A copy that later forwards of `st`'s sequence cannot change: compressed rows and index keys only ever
-    grow by concatenation (a new tensor), so they are shared; the ring and the open group change in place."""
-    clone = (lambda t: None if t is None else t.clone())
-    return LayerState(st.spec, st.ring.clone(), st.rows, st.index_keys, clone(st.kv_open), clone(st.score_open))
-
-
-def copy_state(state: V41SequenceState) -> V41SequenceState:
-    """An independent copy of a sequence's state (a prefix-cache snapshot, or a sequence restored from one)."""
-    return V41SequenceState([_copy_layer(s) for s in state.layers], [_copy_layer(s) for s in state.dspark],
-                            list(state.engram_history), state.num_tokens, state.dspark_num_tokens,
-                            state.index_key_publisher)
-
-
-class V41StatePool:
-    """The engine runner's V4.1 sequence states: a slot per running sequence (`max_num_seqs`), each with its own
-    contiguous state, and page-boundary snapshots for prefix caching.
-
-    The KV manager's pages account for the tokens and carry the prefix hashes; the state itself is contiguous
-    per sequence (the paged layout of every role comes next). `snapshot(page, state)` keeps the state a
-    sequence had at the end of `page` (the runner stops a forward at each boundary the engine asks for);
-    `new_sequence(table, num_cached_tokens)` starts a sequence from the snapshot of the last hit page. A page's
-    snapshot is replaced when the page is snapshotted again (the manager reuses a page only after evicting its
-    hash, so an older snapshot is never restored for other tokens)."""
-
-    def __init__(self, owners: dict[str, list], num_slots: int, page_size: int, device="cpu") -> None:
-        if num_slots < 1 or page_size < 1:
-            raise ValueError(f"a state pool needs at least one slot and page_size >= 1 ({num_slots}, {page_size})")
-        self.owners, self.num_slots, self.page_size, self.device = owners, num_slots, page_size, device
-        self._free_slots = list(range(num_slots))[::-1]
-        self._snapshots: dict[int, V41SequenceState] = {}
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def new_sequence(self, table: list[int], num_cached_tokens: int = 0) -> tuple[V41SequenceState, int]:
-        """A state for a sequence whose pages are `table`, its first `num_cached_tokens` (a multiple of the page
-        size) served by a prefix hit, and its slot."""
-        if not self._free_slots:
-            raise RuntimeError(f"all {self.num_slots} V4.1 sequence slots are in use")
-        if num_cached_tokens % self.page_size:
-            raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
-        if num_cached_tokens:
-            page = table[num_cached_tokens // self.page_size - 1]
-            saved = self._snapshots.get(page)
-            if saved is None or saved.num_tokens != num_cached_tokens:
-                raise RuntimeError(f"page {page} holds no V4.1 state snapshot at token {num_cached_tokens}")
-            state = copy_state(saved)
-        else:
-            state = contiguous_state(self.owners, self.device)
-        return state, self._free_slots.pop()
-
-    def snapshot(self, page: int, state: V41SequenceState) -> None:
-        """Keep `state` (a sequence at the end of `page`) for prefix hits on `page`."""
-        self._snapshots[page] = copy_state(state)
-
-    def free_sequence(self, slot: int) -> None:
-        if slot in self._free_slots or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} is not in use")
-        self._free_slots.append(slot)
