@@ -1,6 +1,7 @@
 """The engine's own host time per decode step, without a model: can it keep up with the GPU?
 
     python bench/engine_host.py [--batches 1,16,64,256] [--steps 200] [--out FILE]
+    PYTHONPATH=/tmp/old python bench/engine_host.py ...   # another tree's package (before/after)
 
 `EngineCore` (scheduler, KV manager, detokenizer, stop strings, outputs) drives an executor that returns every
 step's samples at once (random ids over the embedded model's tokenizer). So each `step()` is pure host work: plan
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` measures that tree's package
 
 from deepserve.core.config import ModelConfig  # noqa: E402
 from deepserve.core.engine import EngineCore  # noqa: E402

@@ -2,8 +2,11 @@
 request's outputs to the coroutine that asked for them.
 
 - Commands (add, abort) cross to the engine thread through a thread-safe queue, drained between steps.
-- The engine thread posts each step's outputs to the event loop; one task fans them out into per-request
-  `asyncio.Queue`s.
+- The engine thread posts each step's outputs to the event loop (the steps it made while the loop was busy, in
+  one callback), which hands each to its request's stream. Snapshots are cumulative, so a stream whose consumer
+  has not read the previous one yet keeps only the newer (vLLM's output collector does the same): a consumer
+  that falls behind the engine reads fewer, larger snapshots instead of a backlog of one per step, with the
+  same text and tokens in the end. The final output always comes on its own.
 - Cancelling a consumer (a client that disconnects) aborts its request: the abort is drained before the next
   step, so its pages are free within one step.
 This is the only module in `deepserve.core` that knows about asyncio.
@@ -12,6 +15,7 @@ This is the only module in `deepserve.core` that knows about asyncio.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -47,6 +51,37 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; every open stream receives this, with the original error as its cause."""
 
 
+class _Stream:
+    """One request's outputs not yet read by its consumer (an event-loop object). An unfinished output put while
+    the previous unfinished one is unread replaces it: each is the request's whole state so far. The final output
+    and errors queue behind: a consumer that handles the last snapshot and the end apart (the server writes the
+    tokens, then an abort's error event) sees both as before."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        items = self.items
+        if items and isinstance(item, RequestOutput) and not item.finished and isinstance(items[-1], RequestOutput):
+            items[-1] = item  # (the unread one is unfinished: nothing follows a final output)
+        else:
+            items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
 class AsyncEngine:
     """`async for out in engine.generate(ids, params): ...`; call `start()` first and `shutdown()` last."""
 
@@ -58,20 +93,18 @@ class AsyncEngine:
         self.plugin_manager = plugin_manager
         self._snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._outputs: asyncio.Queue | None = None
-        self._fanout: asyncio.Task | None = None
+        self._posts: list = []  # posted by the engine thread, not yet delivered on the event loop
+        self._posts_lock = threading.Lock()
         self._dead: BaseException | None = None
 
     async def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine already started")
         self._loop = asyncio.get_running_loop()
-        self._outputs = asyncio.Queue()
-        self._fanout = asyncio.create_task(self._fan_out(), name="deepserve-fanout")
         self._thread = threading.Thread(target=self._run, name="deepserve-engine", daemon=True)
         self._thread.start()
 
@@ -81,11 +114,8 @@ class AsyncEngine:
             return
         self._commands.put(("abort", list(self._streams)))
         self._commands.put((_STOP, None))
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join)  # resumes after the thread's last posts were delivered (FIFO)
         self._thread = None
-        if self._fanout is not None:
-            self._outputs.put_nowait(None)
-            await self._fanout
         self.engine.shutdown()
 
     def snapshot(self) -> EngineSnapshot:
@@ -120,8 +150,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = _Stream()
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt, views)))
         arrived, first_token, last = time.perf_counter(), None, None
         finished = False
@@ -206,27 +235,37 @@ class AsyncEngine:
                 return True
 
     def _post(self, items) -> None:
+        """Hand `items` (a step's outputs, refusals, or the thread's failure) to the event loop. While an earlier
+        post is not delivered yet, `items` joins it: one wake-up of the loop delivers every step since."""
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._outputs.put_nowait, items)
+        if loop is None or loop.is_closed():
+            return
+        with self._posts_lock:
+            self._posts.append(items)
+            if len(self._posts) > 1:
+                return  # a delivery is scheduled and has not run yet: it takes these too
+        loop.call_soon_threadsafe(self._deliver)
 
     # -- event loop ------------------------------------------------------------------------------------------
-    async def _fan_out(self) -> None:
-        while True:
-            items = await self._outputs.get()
-            if items is None:
-                return
-            if isinstance(items, BaseException):
-                error = EngineDeadError("the engine thread failed")
-                error.__cause__ = items
-                for stream in self._streams.values():
-                    stream.put_nowait(error)
-                continue
-            for item in items:
-                if isinstance(item, tuple):  # (request_id, error) for a request the engine refused
-                    request_id, payload = item
-                else:
-                    request_id, payload = item.request_id, item
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.put_nowait(payload)
+    def _deliver(self) -> None:
+        with self._posts_lock:
+            posts, self._posts = self._posts, []
+        for items in posts:
+            self._fan_out(items)
+
+    def _fan_out(self, items) -> None:
+        streams = self._streams
+        if isinstance(items, BaseException):
+            error = EngineDeadError("the engine thread failed")
+            error.__cause__ = items
+            for stream in streams.values():
+                stream.put(error)
+            return
+        for item in items:
+            if isinstance(item, tuple):  # (request_id, error) for a request the engine refused
+                request_id, payload = item
+            else:
+                request_id, payload = item.request_id, item
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.put(payload)

@@ -1,0 +1,245 @@
+"""The server's own host cost per streamed token, without a model: does it keep up with the engine?
+
+    python bench/server_host.py [--concurrency 64,256] [--max-tokens 128] [--prompt-len 512] [--rounds 2]
+    python bench/server_host.py --concurrency 256 --device-ms 5.75     # a device step as long as the H200's
+    PYTHONPATH=/tmp/old python bench/server_host.py ...    # another tree's package (before/after)
+
+The server side is the real app (`deepserve.server.create_app`, run on uvloop as `deepserve serve` runs it) over
+an `EngineCore` whose executor returns every step's samples at once (bench/engine_host.py's `InstantExecutor`:
+random ids above the byte tokenizer's 256, detokenized by the embedded model's tokenizer). It runs in a child
+process; this process is the client: `concurrency` asyncio clients stream `/v1/completions` (token-id prompts,
+greedy, `ignore_eos`, `max_tokens` each, `rounds` requests one after another per client) and count the tokens of
+the final usage chunk. In the same run, the same engine alone: `concurrency` requests added at once and stepped to
+the end with final outputs only (as `LLM.generate` drives it) and with a snapshot per step (as the server's
+engine thread makes them). Prints and writes (`--out`) tokens/s of each and the server's share of the engine's,
+by wall time and by CPU time (the server process's user + system seconds; the engine's process time): on a
+machine shared with other work the CPU-time share is the steadier of the two.
+
+With a zero-cost executor every step is host work, so the share is the server's Python (SSE chunks, JSON, the
+hops from the engine thread to each stream) against the engine's own. On a GPU the engine's step overlaps the
+device's and the server's work competes with it for the GIL: `--device-ms 5.75` makes every step also wait that
+long without the GIL (the H200 decode graph's step at 256), so the share says whether the server keeps up with
+that device (a projection: this CPU is not the GPU host's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` measures that tree's package
+
+MODEL = ROOT / "deepserve" / "assets" / "deepserve-tiny-v4"
+PAGE = 128
+
+
+def make_engine(max_num_seqs: int, max_model_len: int, device_ms: float = 0.0):
+    """An `EngineCore` over the instant executor, the tokenizer and the model config of the embedded model;
+    `device_ms`: each step also waits that long, without the GIL, as a runner waits for its device."""
+    from deepserve.core.config import ModelConfig
+    from deepserve.core.engine import EngineCore
+    from deepserve.core.kv.manager import KVCacheManager
+    from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
+    from deepserve.core.scheduler.scheduler import Scheduler
+    from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from engine_host import InstantExecutor
+
+    cfg = ModelConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
+    tokenizer = Tokenizer(MODEL, cfg)
+    kv = KVCacheManager(max_num_seqs * -(-max_model_len // PAGE) + 8, PAGE, True)
+    scheduler = Scheduler(kv, StepCostModel(CostModelConfig()), max_num_seqs, 8192, max_model_len, cfg.eos_token_ids)
+    class DeviceExecutor(InstantExecutor):
+        def execute(self, step):
+            out = super().execute(step)
+            if step.chunks:
+                time.sleep(device_ms / 1e3)
+            return out
+
+    executor = (DeviceExecutor if device_ms else InstantExecutor)(cfg.vocab_size, max_num_seqs)
+    engine = EngineCore(scheduler, executor, page_size=PAGE,
+                        make_detokenizer=lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip))
+    return engine, cfg, tokenizer
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_alone(concurrency: int, args, views: bool) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU second) of the engine stepped to the end over `rounds` batches of `concurrency`
+    requests; `views`: a snapshot of every request each step (as the server's engine thread), else final outputs
+    only."""
+    from deepserve.core.sampling_params import SamplingParams
+
+    engine, cfg, _ = make_engine(concurrency, args.prompt_len + args.max_tokens + PAGE, args.device_ms)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    began, cpu, tokens = time.perf_counter(), time.process_time(), 0
+    for r in range(args.rounds):
+        for i, ids in enumerate(prompts(concurrency, args.prompt_len, cfg.vocab_size, r)):
+            engine.add_request(f"{r}-{i}", ids, params, final_only=not views, views=views)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    engine.shutdown()
+    if tokens != concurrency * args.rounds * args.max_tokens:
+        raise RuntimeError(f"the engine made {tokens} tokens, not {concurrency * args.rounds * args.max_tokens}")
+    return tokens / seconds, tokens / cpu
+
+
+def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, switch_interval: float) -> None:
+    """The child: the real app on uvloop over the instant engine, until SIGTERM."""
+    import uvloop
+
+    if switch_interval:
+        sys.setswitchinterval(switch_interval)  # how soon a thread waiting for the GIL gets it (default 5 ms)
+    from aiohttp import web
+
+    from deepserve.core.async_engine import AsyncEngine
+    from deepserve.server import ServerConfig, create_app
+
+    def factory() -> AsyncEngine:
+        engine, cfg, tokenizer = make_engine(concurrency, max_model_len, device_ms)
+        wrapped = AsyncEngine(engine)
+        # what the server reads of an `LLM` (deepserve.server.state.ModelInfo.from_engine)
+        wrapped.llm = SimpleNamespace(model=SimpleNamespace(cfg=cfg), tokenizer=tokenizer, max_model_len=max_model_len)
+        return wrapped
+
+    config = ServerConfig(model=str(MODEL), max_waiting_requests=4 * concurrency)
+    web.run_app(create_app(config, engine_factory=factory), host="127.0.0.1", port=port,
+                loop=uvloop.new_event_loop(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
+                print=None)
+
+
+async def _client(session, ids_list: list[list[int]], args, counts: list[int]) -> None:
+    for ids in ids_list:
+        body = {"model": MODEL.name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise SystemExit(f"the server answered {r.status}: {await r.text()}")
+            tail = b""
+            async for data in r.content.iter_any():  # only the end is parsed: the usage chunk before [DONE]
+                tail = (tail + data)[-4096:]
+        usage_line = tail.rsplit(b"data: [DONE]", 1)[0].strip().rsplit(b"data: ", 1)[-1]
+        counts.append(json.loads(usage_line)["usage"]["completion_tokens"])
+
+
+async def _wait_up(session, proc: subprocess.Popen) -> None:
+    import aiohttp
+
+    while proc.poll() is None:
+        try:
+            if (await session.get("/health")).status == 200:
+                return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"the server exited with {proc.returncode}")
+
+
+async def through_server(concurrency: int, args) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU second of the server process) of `concurrency` streaming clients, `rounds`
+    requests each, through a fresh server."""
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    max_model_len = args.prompt_len + args.max_tokens + PAGE
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--concurrency", str(concurrency),
+                             "--max-model-len", str(max_model_len), "--device-ms", str(args.device_ms),
+                             "--switch-interval", str(args.switch_interval)],
+                            env=os.environ.copy())
+    try:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as session:
+            await _wait_up(session, proc)
+            vocab = json.loads((MODEL / "config.json").read_text())["vocab_size"]
+            per_client = [[] for _ in range(concurrency)]
+            for r in range(args.rounds):  # the same prompts as the engine alone gets
+                for i, ids in enumerate(prompts(concurrency, args.prompt_len, vocab, r)):
+                    per_client[i].append(ids)
+            counts: list[int] = []
+            began, cpu = time.perf_counter(), cpu_seconds(proc.pid)
+            await asyncio.gather(*(_client(session, ids, args, counts) for ids in per_client))
+            seconds, cpu = time.perf_counter() - began, cpu_seconds(proc.pid) - cpu
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    if sum(counts) != concurrency * args.rounds * args.max_tokens:
+        raise RuntimeError(f"the server streamed {sum(counts)} tokens, not {concurrency * args.rounds * args.max_tokens}")
+    return sum(counts) / seconds, sum(counts) / cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="a device step's milliseconds, slept by the executor's thread (0: none, pure host work)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="the server process's sys.setswitchinterval seconds (0: Python's default, 5 ms)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the child: serve on this port
+    ap.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve(args.serve, int(args.concurrency), args.max_model_len, args.device_ms, args.switch_interval)
+        return
+    import deepserve
+
+    res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent), "cpus": os.cpu_count(),
+           "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds,
+           "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
+           "repeats": args.repeats, "tokens_per_s": {}}
+    for c in map(int, args.concurrency.split(",")):
+        runs = {"engine_final_only": [], "engine_streamed": [], "server": []}
+        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all three alike
+            runs["engine_final_only"].append(engine_alone(c, args, views=False))
+            runs["engine_streamed"].append(engine_alone(c, args, views=True))
+            runs["server"].append(asyncio.run(through_server(c, args)))
+        row = {}
+        for name, values in runs.items():
+            row[name] = statistics.median(v[0] for v in values)
+            row[f"{name}_per_cpu_s"] = statistics.median(v[1] for v in values)
+        row["server_share_of_engine"] = row["server"] / row["engine_final_only"]
+        row["server_share_of_engine_cpu"] = row["server_per_cpu_s"] / row["engine_final_only_per_cpu_s"]
+        res["tokens_per_s"][str(c)] = row
+        print(f"concurrency {c:4d}: engine alone {row['engine_final_only']:7.0f} tok/s "
+              f"({row['engine_final_only_per_cpu_s']:7.0f} per CPU s) with final outputs, "
+              f"{row['engine_streamed']:7.0f} ({row['engine_streamed_per_cpu_s']:7.0f}) streamed; server "
+              f"{row['server']:7.0f} tok/s ({row['server_per_cpu_s']:7.0f}) = "
+              f"{100 * row['server_share_of_engine']:5.1f}% of the engine "
+              f"({100 * row['server_share_of_engine_cpu']:5.1f}% per CPU second)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
