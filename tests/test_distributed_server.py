@@ -1,6 +1,7 @@
-"""The HTTP server in front of two expert-parallel ranks (gloo, the embedded model): streaming equals one
-process, a client that disconnects aborts its request on its rank, `/metrics` sums the ranks, and the graceful
-shutdown lets a stream finish and then stops every rank (one app: each start of two ranks costs ~10 s)."""
+"""The HTTP server in front of two expert-parallel ranks (gloo, the embedded model, EPLB every 3 steps):
+streaming equals one process, a client that disconnects aborts its request on its rank, `/metrics` shows each
+rank and their sums and EPLB's imbalance, reassignments and moved slots, and the graceful shutdown lets a
+stream finish and then stops every rank (one app: each start of two ranks costs ~10 s)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,18 @@ OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_l
 
 def make_app():
     config = ServerConfig(model=MODEL, served_model_name="tiny", default_thinking_mode=False,
-                          engine_kwargs=dict(OPTIONS, data_parallel_size=2, enable_expert_parallel=True))
+                          engine_kwargs=dict(OPTIONS, data_parallel_size=2, enable_expert_parallel=True,
+                                             enable_eplb=True, num_redundant_experts=2, eplb_window_size=2,
+                                             eplb_step_interval=3))
     return create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False))
 
 
-def metric(text: str, name: str) -> float:
+def metric(text: str, name: str, **labels: str) -> float:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and sample.labels == labels:
                 return sample.value
-    raise KeyError(name)
+    raise KeyError((name, labels))
 
 
 async def until(condition, seconds: float = 60.0) -> bool:
@@ -60,13 +63,33 @@ async def test_streams_aborts_metrics_and_shutdown_across_ranks(aiohttp_client):
     while not line.startswith(b"data:"):
         line = await response.content.readline()
     assert front.has_unfinished_requests()
+    beside = await client.post("/v1/completions", json={**body, "max_tokens": 4})  # the least-loaded: the other rank
+    assert beside.status == 200, await beside.text()
     response.close()  # the client goes away mid-stream: the rank holding the request aborts it
     assert await until(lambda: not front.has_unfinished_requests()
                        and all(s.num_requests_running == 0 for s in front.rank_snapshots))
     metrics = await (await client.get("/metrics")).text()
     assert 'deepserve_requests_finished_total{reason="abort"} 1.0' in metrics
-    assert metric(metrics, "deepserve_kv_cache_pages_total") == sum(s.num_kv_pages_total for s in front.rank_snapshots)
-    assert sum(s.num_generation_tokens for s in front.rank_snapshots) >= 16
+    stats = front.rank_stats
+    for name, field in (("kv_cache_pages_total", "num_kv_pages_total"), ("generation_tokens_total",
+                                                                          "num_generation_tokens")):
+        per_rank = [metric(metrics, f"deepserve_rank_{name}", rank=str(r)) for r in range(2)]
+        assert per_rank == [getattr(s, field) for s in stats.snapshots]
+        assert metric(metrics, f"deepserve_{name}") == sum(per_rank)
+        vllm = "vllm:generation_tokens_total" if field == "num_generation_tokens" else None
+        if vllm:  # vLLM's engines are labelled `engine`: one series per rank
+            assert [metric(metrics, vllm, model_name="tiny", engine=str(r)) for r in range(2)] == per_rank
+    assert sum(s.num_generation_tokens for s in stats.snapshots) >= 16
+    assert min(s.num_generation_tokens for s in stats.snapshots) > 0  # the request beside the long one ran on the other rank
+    # EPLB: reassignments every 3 steps moved slots; its latest imbalance per MoE site (7 sites) is at least 1
+    rebalances = metric(metrics, "deepserve_eplb_rebalances_total")
+    assert rebalances == stats.num_rebalances >= 2
+    moved = [metric(metrics, "deepserve_rank_eplb_slots_moved_total", rank=str(r)) for r in range(2)]
+    assert metric(metrics, "deepserve_eplb_slots_moved_total") == sum(moved) == sum(stats.num_slots_moved) > 0
+    imbalance = [metric(metrics, "deepserve_eplb_imbalance", layer=str(site)) for site in range(7)]
+    assert all(x >= 1.0 for x in imbalance) and list(stats.expert_imbalance) == imbalance
+    assert metric(metrics, "deepserve_eplb_imbalance_max") == max(imbalance)
+    assert 0 < metric(metrics, "deepserve_eplb_balancedness") <= 1.0
 
     # the graceful shutdown (SIGTERM's path): a stream in flight finishes, then every rank process ends
     short = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 12, "ignore_eos": True, "stream": True}

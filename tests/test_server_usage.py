@@ -124,7 +124,8 @@ async def test_metrics_under_vllm_names(client):
         assert r.status == 200
     samples = await settled(client, "deepserve_generation_tokens_total", 6)
     ours = {name: value for (name, labels), value in samples.items() if not labels}
-    vllm = {name: value for (name, labels), value in samples.items() if labels == (("model_name", MODEL),)}
+    vllm = {name: value for (name, labels), value in samples.items()
+            if labels in ((("model_name", MODEL),), (("engine", "0"), ("model_name", MODEL)))}  # one engine: "0"
     assert vllm["vllm:generation_tokens_total"] == ours["deepserve_generation_tokens_total"] == 6
     assert vllm["vllm:prompt_tokens_total"] == 400  # both prompts, the prefix-cache hits included
     assert vllm["vllm:prefix_cache_queries_total"] == ours["deepserve_prefix_cache_queries_total"] == 400

@@ -44,6 +44,7 @@ class RankBalancer:
         self.counts = counts
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_moves = 0
+        self.num_slots_moved = 0  # this rank's slots whose expert a reassignment changed, all sites, all moves
 
     def after_step(self) -> None:
         rows = None
@@ -68,6 +69,7 @@ class RankBalancer:
         for moe in self.sites:
             moe.expert_parallel.placement = new
         self.num_moves += 1
+        self.num_slots_moved += moved
         logger.info("rank %d: EPLB reassignment %d at step %d: %d slots here changed", self.rank, self.num_moves,
                     self.balancer.step, moved)
 

@@ -36,6 +36,24 @@ class RankError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class RankStats:
+    """What the front last heard from every rank, as one value: `DataParallelEngine.rank_stats` is replaced
+    whole after each step that heard something, so a reader on another thread (the server's `/metrics`) sees
+    one consistent set. `expert_imbalance`: EPLB's latest per-site imbalance (slowest rank over mean; None
+    without EPLB or before its first counts); `num_expert_moves`: the reassignments each rank made (the ranks
+    move together, so they agree); `num_slots_moved`: each rank's slots whose expert those moves changed."""
+
+    snapshots: tuple[EngineSnapshot, ...]
+    num_expert_moves: tuple[int, ...]
+    num_slots_moved: tuple[int, ...]
+    expert_imbalance: tuple[float, ...] | None
+
+    @property
+    def num_rebalances(self) -> int:
+        return max(self.num_expert_moves, default=0)
+
+
+@dataclass(frozen=True, slots=True)
 class Capacity:
     """The front's stand-in for a scheduler where callers read capacity (the server's 429 queue)."""
 
@@ -64,7 +82,9 @@ class DataParallelEngine:
         self.rank_snapshots: list[EngineSnapshot] = [m.snapshot_from_wire(r.snapshot) for r in ready]
         self.weight_bytes = [r.weight_bytes for r in ready]
         self.num_expert_moves = [0] * world_size  # EPLB reassignments each rank has made
+        self.num_slots_moved = [0] * world_size  # each rank's slots whose expert a reassignment changed
         self.expert_imbalance: list[float] | None = None  # EPLB's latest per-site imbalance (the same on every rank)
+        self.rank_stats = self._stats()
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -110,13 +130,16 @@ class DataParallelEngine:
         """The outputs the ranks sent since the last call (waiting up to `STEP_POLL_SECONDS` for the first)."""
         self._check_processes()
         outputs: list[RequestOutput] = []
+        heard = False
         wait_ms = int(STEP_POLL_SECONDS * 1000) if self._owner else 0
         while self.socket.poll(wait_ms):
             wait_ms = 0
             msg = self._recv()
             if isinstance(msg, m.StepOutputs):
+                heard = True
                 self.rank_snapshots[msg.rank] = m.snapshot_from_wire(msg.snapshot)
                 self.num_expert_moves[msg.rank] = msg.num_expert_moves
+                self.num_slots_moved[msg.rank] = msg.num_slots_moved
                 if msg.imbalance is not None:
                     self.expert_imbalance = msg.imbalance
                 for wire in msg.outputs:
@@ -126,6 +149,8 @@ class DataParallelEngine:
                     outputs.append(out)
             elif isinstance(msg, m.RankFailed):
                 self._fail(f"rank {msg.rank} failed: {msg.error}")
+        if heard:
+            self.rank_stats = self._stats()
         return outputs
 
     def snapshot(self) -> EngineSnapshot:
@@ -155,6 +180,11 @@ class DataParallelEngine:
         self.socket.close(linger=0)
 
     # -- internals -----------------------------------------------------------------------------------------------
+    def _stats(self) -> RankStats:
+        imbalance = self.expert_imbalance
+        return RankStats(tuple(self.rank_snapshots), tuple(self.num_expert_moves), tuple(self.num_slots_moved),
+                         None if imbalance is None else tuple(imbalance))
+
     def _wait_ready(self, timeout: float) -> list[m.Ready]:
         ready: dict[int, m.Ready] = {}
         deadline = time.monotonic() + timeout

@@ -93,6 +93,7 @@ class StepOutputs(msgspec.Struct, tag=True):
     snapshot: WireSnapshot
     num_expert_moves: int = 0  # EPLB reassignments this rank has made
     imbalance: list[float] | None = None  # EPLB's latest per-site imbalance (slowest rank over mean)
+    num_slots_moved: int = 0  # expert slots of this rank whose expert those reassignments changed
 
 
 class RankFailed(msgspec.Struct, tag=True):

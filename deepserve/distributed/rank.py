@@ -148,7 +148,8 @@ class RankLoop:
         self._send(m.StepOutputs(self.rank, [o if isinstance(o, m.WireOutput) else m.output_to_wire(o)
                                              for o in outputs], m.snapshot_to_wire(self.engine.snapshot()),
                                  balancer.num_moves if balancer is not None else 0,
-                                 balancer.balancer.latest_imbalance() if balancer is not None else None))
+                                 balancer.balancer.latest_imbalance() if balancer is not None else None,
+                                 balancer.num_slots_moved if balancer is not None else 0))
 
     def _send(self, msg) -> None:
         """Blocks while the front is slow (no output is dropped); past the socket's send timeout (the group's

@@ -124,6 +124,68 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(snap.spec)
         if snap.kv_tiers:
             yield from _kv_tier_metrics(snap.kv_tiers)
+        stats = rank_stats(engine)
+        if stats is not None:
+            yield from _rank_metrics(stats)
+            yield from _eplb_metrics(stats)
+
+
+def rank_stats(engine: AsyncEngine):
+    """The data-parallel front's `RankStats` (one value, replaced whole after each step), or None for one
+    engine."""
+    return getattr(engine.engine, "rank_stats", None)
+
+
+_RANK_METRICS = (
+    (GaugeMetricFamily, "num_requests_running", "num_requests_running", "Requests this rank's scheduler is running"),
+    (GaugeMetricFamily, "num_requests_waiting", "num_requests_waiting", "Requests waiting on this rank"),
+    (GaugeMetricFamily, "kv_cache_pages_used", "num_kv_pages_used", "KV cache pages held by this rank's requests"),
+    (GaugeMetricFamily, "kv_cache_pages_total", "num_kv_pages_total", "KV cache pages in this rank's pool"),
+    (CounterMetricFamily, "prefix_cache_queries", "num_prefix_queries", "Prompt tokens this rank looked up in its "
+     "prefix cache"),
+    (CounterMetricFamily, "prefix_cache_hits", "num_prefix_hits", "Prompt tokens found in this rank's prefix cache"),
+    (CounterMetricFamily, "prompt_tokens", "num_prompt_tokens", "Prompt tokens this rank computed"),
+    (CounterMetricFamily, "generation_tokens", "num_generation_tokens", "Output tokens this rank generated"),
+)
+
+
+def _rank_metrics(stats) -> Iterator[Metric]:
+    """Each rank's counters, labelled `rank` (the unlabelled `deepserve_*` above are their sums)."""
+    for family, name, field, help_text in _RANK_METRICS:
+        metric = family(f"deepserve_rank_{name}", help_text, labels=["rank"])
+        for rank, snap in enumerate(stats.snapshots):
+            metric.add_metric([str(rank)], getattr(snap, field))
+        yield metric
+
+
+def _eplb_metrics(stats) -> Iterator[Metric]:
+    """EPLB's state, once it has counted a step: the latest imbalance per MoE site (slowest rank's tokens over
+    the mean, 1 = balanced; sites are the decoder layers in order, then the MTP blocks), its worst, vLLM's
+    balancedness (mean over sites of mean / slowest, what vLLM's `log_balancedness` logs), the reassignments
+    made and the expert slots they changed (summed over ranks, and per rank)."""
+    imbalance = stats.expert_imbalance
+    if imbalance is None and not stats.num_rebalances:
+        return
+    if imbalance is not None:
+        per_site = GaugeMetricFamily("deepserve_eplb_imbalance", "EPLB's latest expert-load imbalance of this MoE "
+                                     "site: the slowest rank's tokens over the mean (1 = balanced)", labels=["layer"])
+        for site, value in enumerate(imbalance):
+            per_site.add_metric([str(site)], value)
+        yield per_site
+        yield GaugeMetricFamily("deepserve_eplb_imbalance_max", "The worst site's latest EPLB imbalance",
+                                value=max(imbalance, default=1.0))
+        yield GaugeMetricFamily("deepserve_eplb_balancedness", "Mean over MoE sites of mean over slowest rank "
+                                "tokens (vLLM's logged EPLB balancedness; 1 = balanced)",
+                                value=sum(1 / x for x in imbalance if x > 0) / len(imbalance) if imbalance else 1.0)
+    yield CounterMetricFamily("deepserve_eplb_rebalances", "EPLB reassignments made (every rank moves together)",
+                              value=stats.num_rebalances)
+    yield CounterMetricFamily("deepserve_eplb_slots_moved", "Expert slots whose expert an EPLB reassignment "
+                              "changed, summed over ranks and sites", value=sum(stats.num_slots_moved))
+    per_rank = CounterMetricFamily("deepserve_rank_eplb_slots_moved", "Expert slots of this rank whose expert an "
+                                   "EPLB reassignment changed", labels=["rank"])
+    for rank, moved in enumerate(stats.num_slots_moved):
+        per_rank.add_metric([str(rank)], moved)
+    yield per_rank
 
 
 _KV_TIER_COUNTERS = (

@@ -1,5 +1,7 @@
 """The server's metrics again under vLLM's names (`vllm:*`, labelled `model_name`), so dashboards and autoscalers
-built for vLLM read deepserve unchanged. Only metrics with a real counterpart are exported, each from the same
+built for vLLM read deepserve unchanged. The engine's gauges and counters are also labelled `engine`, as vLLM
+labels each engine core's: "0" for one engine, one series per rank behind the data-parallel front (dashboards
+sum them); the latency histograms are the front's, labelled `model_name` only. Only metrics with a real counterpart are exported, each from the same
 number as its `deepserve_*` twin (read at scrape time: nothing is observed twice):
 
 | vLLM | from |
@@ -53,21 +55,20 @@ class VllmCollector(Collector):
         if engine is None:
             return
         snap = engine.snapshot()
+        stats = getattr(engine.engine, "rank_stats", None)  # data-parallel: one series per rank, as vLLM's engines
         for family, name, help_text, value in (
-            (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", snap.num_requests_running),
-            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", snap.num_requests_waiting),
-            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full)",
-             snap.num_kv_pages_used / snap.num_kv_pages_total if snap.num_kv_pages_total else 0.0),
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", _running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", _waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", _kv_usage),
             (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             snap.num_prefix_queries),
-            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             snap.num_prefix_hits),
-            (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens (computed and prefix-cache hits)",
-             snap.num_prompt_tokens + snap.num_prefix_hits),
-            (CounterMetricFamily, "vllm:generation_tokens", "Generated tokens", snap.num_generation_tokens),
+             _prefix_queries),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", _prefix_hits),
+            (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens (computed and prefix-cache hits)", _prompt),
+            (CounterMetricFamily, "vllm:generation_tokens", "Generated tokens", _generated),
         ):
-            metric = family(name, help_text, labels=["model_name"])
-            metric.add_metric([self.model_name], value)
+            metric = family(name, help_text, labels=["model_name", "engine"])
+            for index, one in enumerate(stats.snapshots if stats is not None else (snap,)):
+                metric.add_metric([self.model_name, str(index)], value(one))
             yield metric
         if snap.spec is not None:
             yield from self._spec_decode(snap.spec)
@@ -87,6 +88,34 @@ class VllmCollector(Collector):
         for position, accepted in enumerate(spec.accepted_by_position):
             per_position.add_metric([self.model_name, str(position)], accepted)
         yield per_position
+
+
+def _running(s) -> float:
+    return s.num_requests_running
+
+
+def _waiting(s) -> float:
+    return s.num_requests_waiting
+
+
+def _kv_usage(s) -> float:
+    return s.num_kv_pages_used / s.num_kv_pages_total if s.num_kv_pages_total else 0.0
+
+
+def _prefix_queries(s) -> float:
+    return s.num_prefix_queries
+
+
+def _prefix_hits(s) -> float:
+    return s.num_prefix_hits
+
+
+def _prompt(s) -> float:
+    return s.num_prompt_tokens + s.num_prefix_hits
+
+
+def _generated(s) -> float:
+    return s.num_generation_tokens
 
 
 def _renamed(histogram, name: str, labels: dict[str, str]) -> Metric:
