@@ -74,6 +74,20 @@ def test_stored_weights_forward_equals_load_time_dequantization_bitwise(plain, f
     assert not torch.allclose(reference, logits(plain), atol=1e-3)
 
 
+def test_stored_projections_of_one_input_run_as_one_gemm(plain, tmp_path):
+    # V4.1's 32x32 blocks: the tiny model's 32-row projections are whole blocks, so q_a and kv (FP8) stack, as do
+    # the compressor's bf16 projections in their own group, and the shared expert's gate and up
+    path = save_checkpoint(plain, tmp_path / "b32", quantization="fp8", scheme=quant.QuantScheme((32, 32), "fp4"))
+    stored = load_model(path, BACKEND, dtype="float32", progress=False)
+    attn = stored.model.layers[2].self_attn
+    fp8_group, bf16_group = attn.q_a_proj.shared, attn.compressor.kv_proj.shared
+    assert fp8_group is not None and fp8_group.scale is not None and attn.kv_proj.shared is fp8_group
+    assert bf16_group is not None and bf16_group.scale is None and bf16_group is not fp8_group
+    assert stored.model.layers[0].mlp.shared_experts.gate_proj.shared.scale is not None
+    assert torch.equal(logits(stored), logits(load_model(path, BACKEND, dtype="float32", progress=False,
+                                                         quantization="none")))
+
+
 def test_memory_accounting_counts_stored_bytes(plain, fp8_dir):
     stored = load_model(fp8_dir, BACKEND, dtype="float32", progress=False)
     buffers, saved = dict(stored.named_buffers()), 0

@@ -85,12 +85,18 @@ class SharedInput:
 
     def __init__(self, backend: Backend, members: list[Linear]) -> None:
         self.backend = backend
+        first = members[0].stored()
+        # stored members (`keep_stored`): their data and their scales stacked by rows, whole scale blocks each
+        self.block = first.block if first is not None else None
         self.weight = torch.cat([m.weight.data for m in members])
+        self.scale = torch.cat([m.stored().scale for m in members]) if first is not None else None
         self.spans: dict[Linear, tuple[int, int]] = {}
         start = 0
         for m in members:
             n = m.weight.shape[0]
             m.weight.data = self.weight[start : start + n]
+            if self.scale is not None:
+                m.weight_scale_inv = self.scale[start // self.block[0] : (start + n) // self.block[0]]
             self.spans[m] = (start, start + n)
             m.shared = self
             start += n
@@ -100,7 +106,9 @@ class SharedInput:
 
     def columns(self, member: Linear, x: torch.Tensor) -> torch.Tensor:
         if self._input is None or self._input() is not x or member not in self._waiting:
-            self._output = self.backend.linear(x.reshape(-1, x.shape[-1]), self.weight)
+            flat = x.reshape(-1, x.shape[-1])
+            self._output = self.backend.linear(flat, self.weight) if self.scale is None else \
+                self.backend.quantized_linear(flat, QuantizedWeight(self.weight, self.scale, self.block))
             self._input, self._waiting = weakref.ref(x), set(self.spans)
         a, b = self.spans[member]
         out = self._output[:, a:b].view(*x.shape[:-1], b - a)
@@ -122,6 +130,25 @@ def share_input(backend: Backend, members: list[Linear]) -> SharedInput | None:
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or weights[0].dtype not in _STACKABLE:
         return None
     return SharedInput(backend, members)
+
+
+def share_inputs(backend: Backend, members: list[Linear]) -> list[SharedInput]:
+    """Group `members` by what can be stacked together (see `SharedInput`): plain weights of one dtype, device and
+    input width; stored weights (`keep_stored`) of one format, block, device and input width whose rows are whole
+    scale blocks. Members in a group already are left out. Returns the groups made (two members or more each)."""
+    kinds: dict[tuple, list[Linear]] = {}
+    for m in members:
+        if m.shared is not None:
+            continue
+        w, q = m.weight, m.stored()
+        if q is None and w.dtype in _STACKABLE:
+            key = ("plain", w.dtype, w.device, w.shape[1])
+        elif q is not None and w.shape[0] % q.block[0] == 0:
+            key = ("stored", w.dtype, q.scale.dtype, q.block, w.device, w.shape[1])
+        else:
+            continue
+        kinds.setdefault(key, []).append(m)
+    return [SharedInput(backend, group) for group in kinds.values() if len(group) >= 2]
 
 
 def linear(backend: Backend, in_features: int, out_features: int) -> Linear:

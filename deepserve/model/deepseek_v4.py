@@ -18,7 +18,7 @@ from deepserve.core.interfaces import Backend
 
 from .attention import Attention
 from .batch import ForwardBatch, check_states
-from .common import NormWeight, linear, share_input
+from .common import NormWeight, linear, share_inputs
 from .decoder import DecoderLayer
 from .layouts import StepLayout, layout_for
 from .mhc import HyperHead
@@ -119,9 +119,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Stack the projections that read the same input into one GEMM each (`common.SharedInput`): every
         attention layer's projections of its normed input, every shared expert's gate and up. Call once the
         weights are in. Returns how many groups were made."""
-        groups = [share_input(self.backend, m.input_projections()) for m in self.modules()
-                  if isinstance(m, (Attention, SharedExpert))]
-        return sum(g is not None for g in groups)
+        groups = [g for m in self.modules() if isinstance(m, (Attention, SharedExpert))
+                  for g in share_inputs(self.backend, m.input_projections())]
+        return len(groups)
 
     def forward(self, batch: ForwardBatch, states: Sequence[SequenceState] = (),
                 layout: StepLayout | None = None) -> ForwardOutput:

@@ -168,6 +168,8 @@ def read_checkpoint(
     quantized (`quant.quantize_stored`) are quantized as they are read.
     """
     config = read_config(model_dir)
+    # dequantized weights use the config's blocks too (a V4.1 checkpoint's 32x32 with quantization 'none')
+    block = (scheme or stored_scheme(config, "auto")[0] or QuantScheme()).weight_block
     files = find_weight_files(model_dir)
     stacker = ExpertStacker(config.n_routed_experts if experts is None else None)
     scale_stacker = ExpertStacker(config.n_routed_experts if experts is None else None)
@@ -213,7 +215,7 @@ def read_checkpoint(
                 continue
             if name.endswith(".weight") and scale_name in sources:
                 try:
-                    tensor = dequantize(tensor, _get(sources, scale_name).to(device))
+                    tensor = dequantize(tensor, _get(sources, scale_name).to(device), block)
                 except ValueError as exc:
                     raise CheckpointError(f"{model_dir}: tensor {name!r}: {exc}") from exc
             elif tensor.dtype in _QUANTIZED_DTYPES:

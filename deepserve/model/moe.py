@@ -68,7 +68,7 @@ class SharedExpert(nn.Module):
         """gate and up as one [2I, D] weight, gate rows first (a routed expert's `gate_up_proj` layout), when
         `SharedInput` has stacked just these two in that order (no copy); else None."""
         group = self.gate_proj.shared
-        if group is None or self.up_proj.shared is not group or len(group.spans) != 2:
+        if group is None or group.scale is not None or self.up_proj.shared is not group or len(group.spans) != 2:
             return None
         (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
         return group.weight if a == 0 and b == c and d == group.weight.shape[0] else None
