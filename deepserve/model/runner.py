@@ -127,8 +127,7 @@ class ModelRunner(ModelExecutor):
         batch = make_batch([self._known_ids(c) for c in chunks], [c.start for c in chunks], self.device,
                            logits_rows=rows, snapshots=[c.snapshots for c in chunks])
         batch = self._fill_placeholders(batch, chunks)
-        undo = {i: SequenceUndo(states[i], c.start, len(c.token_ids)) for i, c in enumerate(chunks)
-                if c.num_draft_tokens}
+        undo = {i: self._undo(states[i], c) for i, c in enumerate(chunks) if c.num_draft_tokens}
         forward = self._forward(batch, states, rows)
         logits = forward.logits
         last_rows = [n - 1 for n in itertools.accumulate(map(len, rows))]  # each chunk's last logits row
@@ -188,6 +187,10 @@ class ModelRunner(ModelExecutor):
         logits[to_device([start[i] + j for i in rest for j in range(len(rows[i]))], torch.long, self.device)] = \
             others.logits
         return ForwardOutput(streams=None, logits=logits)
+
+    def _undo(self, state: SequenceState, chunk: ChunkInput) -> SequenceUndo:
+        """The undo of a verifying chunk's pass, taken before it (a model with another state brings its own)."""
+        return SequenceUndo(state, chunk.start, len(chunk.token_ids))
 
     def _state_for(self, chunk: ChunkInput) -> SequenceState:
         seq = self._seqs.get(chunk.request_id)

@@ -1,10 +1,12 @@
-"""`build_engine` for a V4.1 checkpoint (`model_type` `deepseek_v41`): the model, its per-sequence states, the
-runner, and the same KV manager, scheduler and `EngineCore` as V4's engine (`deepserve.build`).
+"""`build_engine` for a V4.1 checkpoint (`model_type` `deepseek_v41`): the model, its paged states, the
+runner, the DSpark proposer if asked, and the same KV manager, scheduler and `EngineCore` as V4's engine
+(`deepserve.build`).
 
 The states live in the KV manager's pages (`paged.V41PagedStates`: the kv sources' rows and index keys, and
 each page's boundary snapshot for prefix hits; rings and open groups per sequence slot), as many pages as
-`kv_cache_bytes` holds. The V4.1 path runs on the CPU in the reference's bf16 dataflow; options it does not have
-yet (a device backend, speculation, cache tiers, scale-out, CUDA graphs) are refused by name.
+`kv_cache_bytes` holds. `speculative_config` method `dspark` drafts with V4.1's DSpark blocks
+(`plugins/speculative/dspark_v41.py`). The V4.1 path runs on the CPU in the reference's bf16 dataflow; options
+it does not have yet (a device backend, cache tiers, scale-out) are refused by name.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ class V41EngineCore(EngineCore):
 
 def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
     refused = {
-        "speculative_config": config.speculative_config is not None,
         "data_parallel_size / enable_expert_parallel": config.distributed,
         "host_cache_bytes / kv_store": config.host_cache_bytes is not None or config.kv_store is not None,
         "kv_events_config": config.kv_events_config is not None and config.kv_events_config.enabled,
@@ -60,7 +61,7 @@ def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
 
 def build_v41_engine(config: EngineConfig, pm):
     """The `EngineParts` of a V4.1 checkpoint directory `config.model` (see `deepserve.build.build_engine`)."""
-    from deepserve.build import DEFAULT_CPU_KV_CACHE_BYTES, EngineParts, _grammar_compiler
+    from deepserve.build import DEFAULT_CPU_KV_CACHE_BYTES, EngineParts, _grammar_compiler, _proposer
     from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
     from deepserve.core.kv.store import StoreRegistry
     from deepserve.core.plugins import collect_registrations, select_backend
@@ -78,6 +79,7 @@ def build_v41_engine(config: EngineConfig, pm):
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
+    proposer = _proposer(pm, config, model)
 
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
     owners = model.state_owners()
@@ -87,17 +89,19 @@ def build_v41_engine(config: EngineConfig, pm):
     kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
     states = V41PagedStates(owners, max_num_seqs, num_pages, block_size)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
+    planner = proposer.planner if proposer is not None else None
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                          cfg.eos_token_ids)
+                          cfg.eos_token_ids, verify_planner=planner.plan if planner is not None else None)
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
-    runner = V41ModelRunner(model, backend, states, decode)
+    runner = V41ModelRunner(model, backend, states, decode, proposer=proposer)
     detok = (lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip)) if tokenizer else None
     engine = V41EngineCore(scheduler, runner, page_size=block_size, enable_prefix_caching=config.enable_prefix_caching,
                            make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
                            seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
-                           image_token_id=cfg.image_token_id)
+                           num_speculative_tokens=proposer.num_speculative_tokens if proposer else 0,
+                           verify_planner=planner, image_token_id=cfg.image_token_id)
     logger.info("deepserve: %s (V4.1) on %s, max_model_len %d, %d pages of %d tokens", config.model,
                 backend.device, max_model_len, num_pages, block_size)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
-    return EngineParts(config, pm, backend, model, tokenizer, max_model_len, None, kv_manager, states, cost_model,
+    return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, states, cost_model,
                        None, runner, engine, stores)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import LayerState, V41LayerStateSpec, V41SequenceState
+from .state import LayerState, V41LayerStateSpec, V41SequenceState, clone_or_none, copy_into
 
 
 class PagedLayerState(LayerState):
@@ -62,6 +62,14 @@ class PagedLayerState(LayerState):
     def index_keys(self, value) -> None:
         if value is not None:
             raise AttributeError("a paged layer state's index keys live in its pages: append_index_keys")
+
+    def save(self) -> tuple:
+        return (self.ring.clone(), clone_or_none(self.kv_open), clone_or_none(self.score_open), self.num_rows,
+                self.num_keys)
+
+    def load(self, saved: tuple) -> None:
+        ring, kv_open, score_open, self.num_rows, self.num_keys = saved  # rows past the counts are dead
+        copy_into(self, ring, kv_open, score_open)
 
     def append_rows(self, rows: torch.Tensor) -> None:
         self._row_pool[self._where(self.num_rows, rows.shape[0])] = rows
@@ -178,6 +186,12 @@ class V41PagedStates:
             pools.save(st, page)
         self._host[page] = _HostSnapshot(state.num_tokens, list(state.engram_history), state.index_key_publisher,
                                          state.dspark_num_tokens)
+
+    def snapshot_dspark(self, page: int, state: V41SequenceState) -> None:
+        """Update `page`'s snapshot with the DSpark rings, which the drafter seeds after the main forward."""
+        for pools, st in zip(self.dspark, state.dspark):
+            pools.save(st, page)
+        self._host[page].dspark_num_tokens = state.dspark_num_tokens
 
     def free_sequence(self, slot: int) -> None:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:

@@ -1,11 +1,16 @@
-"""The engine's V4.1 runner: `ModelRunner`'s step (placeholders, sampling, logprobs, grammar masks) over V4.1's
-sequence states in pages (`paged.V41PagedStates`).
+"""The engine's V4.1 runner: `ModelRunner`'s step (placeholders, sampling, logprobs, grammar masks, speculative
+verification) over V4.1's sequence states in pages (`paged.V41PagedStates`).
 
 A step's chunks run one sequence at a time through `DeepseekV41ForCausalLM.forward`; a chunk stops at every
 page boundary the engine asks a snapshot for (a prefix hit there restores it), which changes nothing in the
 result: a prompt in several chunks computes what one prefill does. Prompt chunks (those of a sequence that has
 not sampled since its state was made) run with `prompt=True`, so their index sources read the keys one prefill
 reads; a decode token keeps the reference's semantics (docs/v41.md).
+
+With a proposer (DSpark, `plugins/speculative/dspark_v41.py`) the step's streams are the DSpark taps of every
+row, and a verifying chunk [token, drafts...] runs one token at a time, each a decode step, so that its logits
+are those of plain decoding and greedy output with speculation equals greedy output without it; the undo
+(`V41Undo`) keeps the state after each of its tokens and puts back the one verification keeps.
 """
 
 from __future__ import annotations
@@ -22,16 +27,45 @@ from .paged import V41PagedStates
 from .state import V41SequenceState
 
 
+class V41Undo:
+    """The rollback of one verifying pass over [start, start + length): the state after each of its tokens."""
+
+    def __init__(self, state: V41SequenceState, start: int, length: int) -> None:
+        if state.num_tokens != start:
+            raise ValueError(f"undo taken at {start} but the state holds {state.num_tokens} tokens")
+        self.state, self.start, self.length = state, start, length
+        self._saved: dict[int, tuple] = {}
+
+    def record(self) -> None:
+        """Called by the pass after each token it computed."""
+        self._saved[self.state.num_tokens] = self.state.save()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Leave the state as if only the first `num_tokens` tokens of the sequence had been computed."""
+        if num_tokens not in self._saved:
+            raise ValueError(f"cannot roll back to {num_tokens}: the pass covered ({self.start}, "
+                             f"{self.start + self.length}]")
+        self.state.load(self._saved[num_tokens])
+        self._saved.clear()
+
+    def commit(self) -> None:
+        self._saved.clear()
+
+
 class V41ModelRunner(ModelRunner):
-    def __init__(self, model: DeepseekV41ForCausalLM, backend: Backend, states: V41PagedStates, decode=None) -> None:
-        super().__init__(model, backend, states, decode)
+    def __init__(self, model: DeepseekV41ForCausalLM, backend: Backend, states: V41PagedStates, decode=None,
+                 proposer=None) -> None:
+        super().__init__(model, backend, states, decode, proposer=proposer)
+        if proposer is not None and hasattr(proposer, "bind"):
+            proposer.bind(states)  # the drafter saves its rings into the page snapshots
         self._decoding: set[str] = set()  # requests that sampled since their state was made
         self._step_chunks: list[ChunkInput] = []
+        self._undos: dict[int, V41Undo] = {}
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         self._decoding.difference_update(step.freed_request_ids)
-        self._step_chunks = []
+        self._step_chunks, self._undos = [], {}
         out = super().execute(step)
         self._decoding.update(c.request_id for c in self._step_chunks if c.samples)
         return out
@@ -40,29 +74,57 @@ class V41ModelRunner(ModelRunner):
         self._step_chunks.append(chunk)
         return super()._state_for(chunk)
 
+    def _undo(self, state: V41SequenceState, chunk: ChunkInput) -> V41Undo:
+        undo = self._undos[len(self._undos)] = V41Undo(state, chunk.start, len(chunk.token_ids))
+        return undo
+
     def _forward(self, batch: ForwardBatch, states, rows) -> ForwardOutput:
-        logits = []
+        logits, taps = [], []
+        undos = iter(self._undos.values())
         for chunk, info, state, want in zip(self._step_chunks, batch.chunks, states, rows):
             ids = batch.token_ids[info.offset : info.offset + info.length]
-            prompt = chunk.request_id not in self._decoding
-            logits.append(self._run_chunk(ids, info.start, info.snapshots, state, list(want), prompt))
-        return ForwardOutput(streams=None, logits=torch.cat(logits))
+            if chunk.num_draft_tokens:
+                lg, tp = self._verify_pass(ids, info.snapshots, state, list(want), next(undos))
+            else:
+                prompt = chunk.request_id not in self._decoding
+                lg, tp = self._run_chunk(ids, info.start, info.snapshots, state, list(want), prompt)
+            logits.append(lg)
+            taps.append(tp)
+        streams = torch.cat(taps) if self.proposer is not None and taps[0] is not None else None
+        return ForwardOutput(streams=streams, logits=torch.cat(logits))
 
-    def _run_chunk(self, ids, start: int, snapshots, state: V41SequenceState, want: list[int],
-                   prompt: bool) -> torch.Tensor:
-        """The logits of the chunk's rows `want` (indices into the chunk), stopping at each snapshot boundary."""
+    def _run_chunk(self, ids, start: int, snapshots, state: V41SequenceState, want: list[int], prompt: bool):
+        """The logits of the chunk's rows `want` (indices into the chunk) and every row's DSpark taps, stopping
+        at each snapshot boundary."""
         if state.num_tokens != start:
             raise RuntimeError(f"a V4.1 sequence at token {state.num_tokens} got a chunk at {start}")
         cuts = sorted({b - start for b, _ in snapshots if start < b < start + len(ids)} | {len(ids)})
         pages = {b - start: page for b, page in snapshots}
-        out, begin = [], 0
+        out, taps, begin = [], [], 0
         for end in cuts:
             need = [i - begin for i in want if begin <= i < end]
             last_only = need == [end - begin - 1]
             res = self.model(ids[begin:end], state, all_logits=not last_only, prompt=prompt)
             if need:
                 out.append(res.logits.unsqueeze(0) if last_only else res.logits[need])
+            taps.append(res.main_hidden)
             if end in pages:
                 self.cache.snapshot(pages[end], state)
             begin = end
-        return torch.cat(out)
+        return torch.cat(out), (torch.cat(taps) if taps[0] is not None else None)
+
+    def _verify_pass(self, ids, snapshots, state: V41SequenceState, want: list[int], undo: V41Undo):
+        """A verifying chunk as decode steps, one token each, the state recorded after each. A page boundary
+        snapshot taken past what verification keeps is harmless: that page is not full, so no prefix hit reads
+        it before the sequence crosses the boundary again and snapshots anew."""
+        pages = dict(snapshots)
+        out, taps = [], []
+        for i in range(ids.shape[0]):
+            res = self.model(ids[i : i + 1], state)
+            undo.record()
+            if state.num_tokens in pages:
+                self.cache.snapshot(pages[state.num_tokens], state)
+            if i in want:
+                out.append(res.logits.unsqueeze(0))
+            taps.append(res.main_hidden)
+        return torch.cat(out), (torch.cat(taps) if taps[0] is not None else None)

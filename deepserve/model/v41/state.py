@@ -83,6 +83,27 @@ class LayerState:
     def append_index_keys(self, keys: torch.Tensor) -> None:
         self.index_keys = torch.cat([self.index_keys, keys])
 
+    def save(self) -> tuple:
+        """What `load` puts back: copies of what changes in place; the rows so far (they only grow by
+        concatenation, so the tensors themselves stay as they are)."""
+        return (self.ring.clone(), clone_or_none(self.kv_open), clone_or_none(self.score_open), self.rows,
+                self.index_keys)
+
+    def load(self, saved: tuple) -> None:
+        ring, kv_open, score_open, self.rows, self.index_keys = saved
+        copy_into(self, ring, kv_open, score_open)
+
+
+def clone_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def copy_into(st: LayerState, ring, kv_open, score_open) -> None:
+    st.ring.copy_(ring)
+    if kv_open is not None:
+        st.kv_open.copy_(kv_open)
+        st.score_open.copy_(score_open)
+
 
 @dataclass
 class V41SequenceState:
@@ -95,6 +116,17 @@ class V41SequenceState:
     # overwrites, so an index source whose own group is still open scores against the keys published last
     # (docs/v41.md, "reference semantics"). The layer that published last is part of the sequence's state.
     index_key_publisher: int | None = None
+
+    def save(self) -> tuple:
+        """The whole state as it is now, for `load` (a speculative pass's rollback)."""
+        return ([s.save() for s in self.layers], [s.save() for s in self.dspark], list(self.engram_history),
+                self.num_tokens, self.dspark_num_tokens, self.index_key_publisher)
+
+    def load(self, saved: tuple) -> None:
+        layers, dspark, history, self.num_tokens, self.dspark_num_tokens, self.index_key_publisher = saved
+        self.engram_history = list(history)
+        for st, s in zip(self.layers + self.dspark, layers + dspark):
+            st.load(s)
 
 
 def _layer_state(spec: V41LayerStateSpec, device) -> LayerState:
