@@ -39,7 +39,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                                          "parameters": WEATHER}}
 ASK = "What is the weather in Paris for the next 3 days?"
 HI = [{"role": "user", "content": "Write a short poem about the sea."}]
-IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kg"
+         "AAAABJRU5ErkJggg==")  # a 1x1 PNG
 
 
 def fits(arguments: str | dict) -> dict:

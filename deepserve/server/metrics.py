@@ -124,13 +124,13 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(snap.spec)
         if snap.kv_tiers:
             yield from _kv_tier_metrics(snap.kv_tiers)
-        stats = rank_stats(engine)
+        stats = _rank_stats(engine)
         if stats is not None:
             yield from _rank_metrics(stats)
             yield from _eplb_metrics(stats)
 
 
-def rank_stats(engine: AsyncEngine):
+def _rank_stats(engine: AsyncEngine):
     """The data-parallel front's `RankStats` (one value, replaced whole after each step), or None for one
     engine."""
     return getattr(engine.engine, "rank_stats", None)
