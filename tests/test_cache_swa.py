@@ -153,3 +153,13 @@ def test_the_slot_directory_by_session_and_by_sequence():
         SWASlots(0, 4, page_size=P, layout="L", node="n")
     with pytest.raises(ValueError, match="holds 4 bytes"):
         slots.save(None, tokens, None, b"abc")
+
+
+def test_swa_host_slots_must_be_a_positive_count_over_prefix_caching():
+    from deepserve.core.config import EngineConfig
+
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="swa_host_slots must be a positive integer"):
+            EngineConfig(model="m", swa_host_slots=bad)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(model="m", swa_host_slots=4, enable_prefix_caching=False)
