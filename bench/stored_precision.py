@@ -145,6 +145,14 @@ def bench_model(path: Path, quantization: str, backend, device, args, prompt: li
         row = out["prefill"][n] = {"seconds": s, "tok_s": n / s}
         if rate:
             row["mfu"] = base.prefill_flops(model, flops_wb, n) / s / rate
+        vendor = getattr(backend, "deep_gemm_fp8", None)
+        if quantization != "none" and vendor is not None and vendor.enabled:  # what DeepGEMM's FP8 GEMM buys
+            vendor.enabled = False
+            try:
+                s = base.timed(lambda: model(make_batch([ids], [0], device), [model.make_state()]), device, repeats=3)
+            finally:
+                vendor.enabled = True
+            row.update(seconds_triton_fp8=s, tok_s_triton_fp8=n / s)
         print(f"[{quantization}] prefill {n}: {row}", flush=True)
 
     out["decode"] = {}

@@ -115,3 +115,17 @@ def test_stored_engine_matches_the_dequantized_engine(tmp_path):
     b = [plain.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.1
     assert stored.outputs[0].token_ids[:2] == plain.outputs[0].token_ids[:2]
+
+
+def test_deep_gemm_fp8_where_it_loads():
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    nv = NvidiaBackend()
+    if nv.deep_gemm_fp8 is None or not nv.deep_gemm_fp8.enabled:
+        pytest.skip("deep_gemm with fp8_gemm_nt does not load here")
+    g = torch.Generator().manual_seed(3)
+    q, s, deq = stored_fp8(4096, 4096, (128, 128), g, "cuda")
+    x = torch.randn(2048, 4096, generator=g).to("cuda", torch.bfloat16)
+    out = nv.deep_gemm_fp8(x, q, s)
+    assert out is not None, "deep_gemm's FP8 GEMM failed its check against the Triton kernel (see the log)"
+    assert rel_err(out, x.float() @ deq.t()) < FP8_ACT_TOL

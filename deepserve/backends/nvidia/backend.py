@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 #: (token, expert) pairs from which a step's routed experts go to DeepGEMM when it is loaded: bench/gpu.py run 30
 #: (H200) timed a 1K prefill (6K pairs at top-6) 11% slower with it and an 8K one 8% faster, so from ~2.7K tokens
 DEEP_GEMM_MIN_PAIRS = 16384
+#: rows from which a stored FP8 projection goes to DeepGEMM's FP8 GEMM where it loads (prefill; not measured yet,
+#: bench/stored_precision.py times the prefill either way)
+DEEP_GEMM_FP8_MIN_ROWS = 1024
 
 
 def triton_available() -> bool:
@@ -88,6 +91,7 @@ class NvidiaBackend(ReferenceBackend):
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
         self.deep_gemm = vendor.load_deep_gemm(index) if fast else None  # `vendor.py`: None unless it loads
+        self.deep_gemm_fp8 = vendor.Fp8Gemm(self.deep_gemm) if self.deep_gemm is not None else None
         # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`,
         # `gemv`): zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
@@ -165,6 +169,11 @@ class NvidiaBackend(ReferenceBackend):
         path = None if weight.fp4 else self._stored_path(x)
         if path is None:
             return super().quantized_linear(x, weight)
+        if (path == "fp8" and self.deep_gemm_fp8 is not None and x.shape[0] >= DEEP_GEMM_FP8_MIN_ROWS
+                and weight.block == (128, 128) and x.dtype == torch.bfloat16):
+            out = self.deep_gemm_fp8(x, weight.data, weight.scale)
+            if out is not None:
+                return out
         return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, act_fp8=path == "fp8")
 
     def quantized_grouped_linear(self, x, weight):
