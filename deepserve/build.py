@@ -93,9 +93,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
     if checkpoint_model_type(config.model) == "deepseek_v41":
-        from deepserve.model.v41.engine import build_v41_engine
-
-        return build_v41_engine(config, pm)
+        return _build_v41(config, pm)
     if config.distributed and rank is None:
         return _build_front(config, pm)
     backend = select_backend(pm, config)
@@ -156,6 +154,20 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
     return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, cache,
                        cost_model, graphs, runner, engine, stores, kv_events)
+
+
+def _build_v41(config: EngineConfig, pm) -> EngineParts:
+    """A V4.1 checkpoint's engine (docs/v41.md), assembled by `deepserve.model.v41.engine` with this module's
+    proposer and grammar-compiler choices."""
+    from deepserve.model.v41.engine import build_v41_engine
+
+    backend = select_backend(pm, config)
+    v41 = build_v41_engine(config, backend, lambda model: _proposer(pm, config, model),
+                           lambda model, tokenizer: _grammar_compiler(pm, config, model, tokenizer),
+                           DEFAULT_CPU_KV_CACHE_BYTES)
+    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+    return EngineParts(config, pm, backend, v41.model, v41.tokenizer, v41.max_model_len, v41.proposer,
+                       v41.kv_manager, v41.states, v41.cost_model, None, v41.runner, v41.engine, stores)
 
 
 def expert_placement(config: EngineConfig, world_size: int):

@@ -104,8 +104,8 @@ async def test_the_server_serves_it(aiohttp_client):
     from deepserve.server import ServerConfig, create_app
 
     torch.set_num_threads(1)
-    config = ServerConfig(model=str(TINY_A), served_model_name="v41", engine_kwargs={"block_size": 128, "max_num_seqs": 2,
-                                                                                 "kv_cache_bytes": 8 * 2**20})
+    engine = {"block_size": 128, "max_num_seqs": 2, "kv_cache_bytes": 8 * 2**20}
+    config = ServerConfig(model=str(TINY_A), served_model_name="v41", engine_kwargs=engine)
     client = await aiohttp_client(create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False)))
     ids = prompt(12, seed=5)
     r = await client.post("/v1/completions", json={"model": "v41", "prompt": ids, "max_tokens": 4,

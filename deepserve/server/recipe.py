@@ -24,6 +24,7 @@ import deepseek_recipe as dr
 
 from deepserve.core.sampling_params import SamplingParams
 from deepserve.core.structured import GrammarSpec
+from deepserve.model.registry import checkpoint_model_type
 from deepserve.server.config import DEFAULT_MAX_TOKENS
 from deepserve.server.dialects import rewrite
 from deepserve.server.usage import OutputUsage
@@ -93,19 +94,22 @@ class Prepared:
 
 
 class RecipeCodec:
-    """deepseek-recipe set up for the served model: its tokenizer, the V4 prompt encoding, conversion options
-    that accept exactly the served model name. `unavailable` says why chat cannot work with this tokenizer."""
+    """deepseek-recipe set up for the served model: its tokenizer, the prompt encoding of its version (V4, or
+    V4.1 for a `deepseek_v41` checkpoint), conversion options that accept exactly the served model name.
+    `unavailable` says why chat cannot work with this tokenizer."""
 
     def __init__(self, model_dir: str, model_name: str, default_thinking_mode: bool,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.version = dr.ModelVersion.DeepseekV4Pro  # V4.1 checkpoints: DeepseekV41Flash + DeepseekV41Encoding
+        v41 = checkpoint_model_type(model_dir) == "deepseek_v41"
+        self.version = dr.ModelVersion.DeepseekV41Flash if v41 else dr.ModelVersion.DeepseekV4Pro
         self.default_thinking_mode = default_thinking_mode
         self.options = {mode: self._options(mode) for mode in (False, True)}
         file = Path(model_dir) / "tokenizer.json"
         self.tokenizer = dr.Tokenizer.from_file(str(file)) if file.is_file() else None
-        self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer) if self.tokenizer else None
+        encoding = dr.DeepseekV41Encoding() if v41 else dr.DeepseekV4Encoding()
+        self.encoding = encoding.with_tokenizer(self.tokenizer) if self.tokenizer else None
         self.thinking_end_ids = self.tokenizer.encode(THINKING_END) if self.tokenizer else []
         dsml = self.tokenizer.encode(DSML) if self.tokenizer else []
         self.dsml_id = dsml[0] if len(dsml) == 1 else None  # V4's tool-call marker, one special token
@@ -121,7 +125,8 @@ class RecipeCodec:
         try:
             self.encoding.encode(dr.Conversation([dr.UserMessage("x")], thinking_mode=True))
         except RuntimeError as exc:
-            return f"this model's tokenizer cannot encode V4 chat prompts ({exc}): use /v1/completions"
+            name = "V4.1" if self.version == dr.ModelVersion.DeepseekV41Flash else "V4"
+            return f"this model's tokenizer cannot encode {name} chat prompts ({exc}): use /v1/completions"
         return None
 
     def prepare(self, protocol: Protocol, raw: bytes, body: dict[str, Any], model: ModelInfo) -> Prepared:

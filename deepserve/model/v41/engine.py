@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,12 +61,28 @@ def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
                          "FP8/FP4 weights (dtype 'auto' or 'bfloat16')")
 
 
-def build_v41_engine(config: EngineConfig, pm):
-    """The `EngineParts` of a V4.1 checkpoint directory `config.model` (see `deepserve.build.build_engine`)."""
-    from deepserve.build import DEFAULT_CPU_KV_CACHE_BYTES, EngineParts, _grammar_compiler, _proposer
+@dataclass(slots=True)
+class V41Engine:
+    """What `build_v41_engine` made (`deepserve.build` wraps it in its `EngineParts`)."""
+
+    model: Any  # DeepseekV41ForCausalLM
+    tokenizer: Any  # deepserve.model.tokenizer.Tokenizer, or None
+    max_model_len: int
+    proposer: Any  # V41DSparkProposer, or None
+    kv_manager: Any  # deepserve.core.kv.manager.KVCacheManager
+    states: Any  # paged.V41PagedStates
+    cost_model: Any
+    runner: Any  # runner.V41ModelRunner
+    engine: V41EngineCore
+
+
+def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, make_grammars: Callable,
+                     default_kv_cache_bytes: int) -> V41Engine:
+    """The engine of a V4.1 checkpoint directory `config.model` on `backend`, for `deepserve.build.build_engine`,
+    which passes its choices in: `make_proposer(model)` (None without `speculative_config`),
+    `make_grammars(model, tokenizer)` (the structured-output compiler, or None) and the KV budget to use
+    without `kv_cache_bytes`."""
     from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
-    from deepserve.core.kv.store import StoreRegistry
-    from deepserve.core.plugins import collect_registrations, select_backend
     from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
     from deepserve.core.scheduler.scheduler import Scheduler
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -73,17 +91,16 @@ def build_v41_engine(config: EngineConfig, pm):
     from .paged import V41PagedStates, bytes_per_page
     from .runner import V41ModelRunner
 
-    backend = select_backend(pm, config)
     _refuse_unsupported(config, torch.device(backend.device))
     model = load_v41(config.model)
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
-    proposer = _proposer(pm, config, model)
+    proposer = make_proposer(model)
 
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
     owners = model.state_owners()
-    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes
     num_pages = min(pages_for_budget(budget, bytes_per_page(owners, block_size)),
                     max_num_seqs * math.ceil(max_model_len / block_size))
     kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
@@ -97,11 +114,9 @@ def build_v41_engine(config: EngineConfig, pm):
     detok = (lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip)) if tokenizer else None
     engine = V41EngineCore(scheduler, runner, page_size=block_size, enable_prefix_caching=config.enable_prefix_caching,
                            make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
-                           seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
+                           seed=config.seed, grammars=make_grammars(model, tokenizer),
                            num_speculative_tokens=proposer.num_speculative_tokens if proposer else 0,
                            verify_planner=planner, image_token_id=cfg.image_token_id)
     logger.info("deepserve: %s (V4.1) on %s, max_model_len %d, %d pages of %d tokens", config.model,
                 backend.device, max_model_len, num_pages, block_size)
-    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
-    return EngineParts(config, pm, backend, model, tokenizer, max_model_len, proposer, kv_manager, states, cost_model,
-                       None, runner, engine, stores)
+    return V41Engine(model, tokenizer, max_model_len, proposer, kv_manager, states, cost_model, runner, engine)
