@@ -99,3 +99,25 @@ def test_wrong_settings_are_refused():
 def _greedy_rows(n: int) -> RowSampling:
     zeros = torch.zeros(n)
     return RowSampling(zeros, zeros.long(), torch.ones(n), zeros, zeros.long(), all_greedy=True)
+
+
+def test_a_prefix_hit_restores_the_drafters_rings():
+    """The second prompt starts from the first's page snapshot, DSpark rings included: its drafts are the
+    cold run's (the drafter checks its rings hold every position before the chunk) and so are its tokens."""
+    llm = spec_llm()
+    shared = prompt(130, seed=5)
+    a, b = shared + prompt(4, seed=6), shared + prompt(7, seed=7)
+    out_a = llm.generate([a], GREEDY, use_tqdm=False)[0]
+    hits = llm.kv_manager.num_prefix_hits
+    cold = spec_llm().generate([b], GREEDY, use_tqdm=False)[0]
+    warm = llm.generate([b], GREEDY, use_tqdm=False)[0]
+    assert llm.kv_manager.num_prefix_hits - hits == 128
+    assert list(out_a.outputs[0].token_ids) == greedy(llm.model, a, 6)
+    assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids) == greedy(llm.model, b, 6)
+
+
+def test_sampled_requests_verify_against_one_hot_drafts():
+    llm = spec_llm()
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt(12, seed=8)], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6 and llm.engine.stats.spec.num_verified_tokens > 0
