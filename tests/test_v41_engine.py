@@ -1,6 +1,6 @@
 """V4.1 through the engine: `LLM(model=<V4.1 dir>)` builds the V4.1 runner; chunked prefill computes what one
 prefill does; continuous batching, greedy generation and prefix hits give the contiguous model's own greedy
-tokens, also through the server; image tokens and options the V4.1 path lacks are refused by name."""
+tokens, also through the server and after a preemption; image tokens and options the V4.1 path lacks are refused by name."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def test_a_prefix_hit_gives_the_cold_runs_tokens(llm):
     assert llm.kv_manager.num_prefix_hits - before == 128  # b started from a's page-boundary snapshot
     assert list(out_a.outputs[0].token_ids) == greedy(llm.model, a, 4)
     assert list(out_b.outputs[0].token_ids) == greedy(llm.model, b, 4)
+
+
+def test_a_preempted_request_recomputes_its_own_tokens():
+    """Three pages for two sequences that each cross a page: one is preempted and recomputed, its generated
+    tokens as the decode steps that made them, so the tokens are still the model's greedy ones."""
+    from deepserve.model.v41.paged import bytes_per_page
+
+    model = load_v41(TINY_A)
+    llm = LLM(model=str(TINY_A), block_size=128, max_num_seqs=2, enable_prefix_caching=False,
+              kv_cache_bytes=3 * bytes_per_page(model.state_owners(), 128))
+    prompts = [prompt(120, seed) for seed in (0, 1)]  # without the decode replay, the second one diverges
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == greedy(model, p, 12)
 
 
 def test_text_prompts_use_the_checkpoints_tokenizer(llm):

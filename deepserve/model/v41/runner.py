@@ -15,6 +15,8 @@ are those of plain decoding and greedy output with speculation equals greedy out
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from deepserve.core.interfaces import Backend, ChunkInput, StepInput, StepOutput
@@ -25,6 +27,10 @@ from ..runner import ModelRunner
 from .model import DeepseekV41ForCausalLM
 from .paged import V41PagedStates
 from .state import V41SequenceState
+
+
+#: requests whose prompt end the runner remembers for a recompute after preemption (a few ints each)
+PROMPT_ENDS_KEPT = 65536
 
 
 class V41Undo:
@@ -59,6 +65,9 @@ class V41ModelRunner(ModelRunner):
         if proposer is not None and hasattr(proposer, "bind"):
             proposer.bind(states)  # the drafter saves its rings into the page snapshots
         self._decoding: set[str] = set()  # requests that sampled since their state was made
+        # where each request's prompt ended (its first sample), kept past a preemption so that the recompute
+        # runs its generated tokens as the decode steps that made them; the oldest are forgotten past the bound
+        self._prompt_ends: OrderedDict[str, int] = OrderedDict()
         self._step_chunks: list[ChunkInput] = []
         self._undos: dict[int, V41Undo] = {}
 
@@ -67,6 +76,11 @@ class V41ModelRunner(ModelRunner):
         self._decoding.difference_update(step.freed_request_ids)
         self._step_chunks, self._undos = [], {}
         out = super().execute(step)
+        for c in self._step_chunks:
+            if c.samples and c.request_id not in self._decoding and c.request_id not in self._prompt_ends:
+                self._prompt_ends[c.request_id] = c.start + len(c.token_ids)
+                if len(self._prompt_ends) > PROMPT_ENDS_KEPT:
+                    self._prompt_ends.popitem(last=False)
         self._decoding.update(c.request_id for c in self._step_chunks if c.samples)
         return out
 
@@ -86,25 +100,30 @@ class V41ModelRunner(ModelRunner):
             if chunk.num_draft_tokens:
                 lg, tp = self._verify_pass(ids, info.snapshots, state, list(want), next(undos))
             else:
-                prompt = chunk.request_id not in self._decoding
-                lg, tp = self._run_chunk(ids, info.start, info.snapshots, state, list(want), prompt)
+                # a prompt chunk, a decode token, or a preempted request's recompute (decode steps from where
+                # its prompt ended)
+                decode_from = info.start if chunk.request_id in self._decoding else \
+                    self._prompt_ends.get(chunk.request_id, info.start + info.length)
+                lg, tp = self._run_chunk(ids, info.start, info.snapshots, state, list(want), decode_from)
             logits.append(lg)
             taps.append(tp)
         streams = torch.cat(taps) if self.proposer is not None and taps[0] is not None else None
         return ForwardOutput(streams=streams, logits=torch.cat(logits))
 
-    def _run_chunk(self, ids, start: int, snapshots, state: V41SequenceState, want: list[int], prompt: bool):
+    def _run_chunk(self, ids, start: int, snapshots, state: V41SequenceState, want: list[int], decode_from: int):
         """The logits of the chunk's rows `want` (indices into the chunk) and every row's DSpark taps, stopping
-        at each snapshot boundary."""
+        at each snapshot boundary: positions before `decode_from` as prompt, the rest one-token decode steps."""
         if state.num_tokens != start:
             raise RuntimeError(f"a V4.1 sequence at token {state.num_tokens} got a chunk at {start}")
-        cuts = sorted({b - start for b, _ in snapshots if start < b < start + len(ids)} | {len(ids)})
+        n, first_decode = len(ids), max(decode_from - start, 0)
+        cuts = {b - start for b, _ in snapshots if start < b < start + n} | {n} | set(range(first_decode, n))
+        cuts.discard(0)
         pages = {b - start: page for b, page in snapshots}
         out, taps, begin = [], [], 0
-        for end in cuts:
+        for end in sorted(cuts):
             need = [i - begin for i in want if begin <= i < end]
             last_only = need == [end - begin - 1]
-            res = self.model(ids[begin:end], state, all_logits=not last_only, prompt=prompt)
+            res = self.model(ids[begin:end], state, all_logits=not last_only, prompt=begin < first_decode)
             if need:
                 out.append(res.logits.unsqueeze(0) if last_only else res.logits[need])
             taps.append(res.main_hidden)
