@@ -69,12 +69,12 @@ class V41ModelRunner(ModelRunner):
         # runs its generated tokens as the decode steps that made them; the oldest are forgotten past the bound
         self._prompt_ends: OrderedDict[str, int] = OrderedDict()
         self._step_chunks: list[ChunkInput] = []
-        self._undos: dict[int, V41Undo] = {}
+        self._undos: list[V41Undo] = []  # this step's, in chunk order
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         self._decoding.difference_update(step.freed_request_ids)
-        self._step_chunks, self._undos = [], {}
+        self._step_chunks, self._undos = [], []
         out = super().execute(step)
         for c in self._step_chunks:
             if c.samples and c.request_id not in self._decoding and c.request_id not in self._prompt_ends:
@@ -89,12 +89,12 @@ class V41ModelRunner(ModelRunner):
         return super()._state_for(chunk)
 
     def _undo(self, state: V41SequenceState, chunk: ChunkInput) -> V41Undo:
-        undo = self._undos[len(self._undos)] = V41Undo(state, chunk.start, len(chunk.token_ids))
-        return undo
+        self._undos.append(V41Undo(state, chunk.start, len(chunk.token_ids)))
+        return self._undos[-1]
 
     def _forward(self, batch: ForwardBatch, states, rows) -> ForwardOutput:
         logits, taps = [], []
-        undos = iter(self._undos.values())
+        undos = iter(self._undos)
         for chunk, info, state, want in zip(self._step_chunks, batch.chunks, states, rows):
             ids = batch.token_ids[info.offset : info.offset + info.length]
             if chunk.num_draft_tokens:
