@@ -8,10 +8,11 @@ run computes the prompt cold (its pages store the exact boundary snapshots, and 
 it on the batch-invariant reference ops); then the last prefix page's snapshot is rebuilt by a bounded replay of
 the 128 tokens before B (`deepserve.model.swa_replay`: the segment's window attends within itself, its
 compressed rows are the prefix's exact ones), and the same prompt runs again, hitting the B cached tokens with
-that snapshot (and again after replays of 64 and 32 tokens, to show the trend). Both generate `--tokens` greedy tokens with their logprobs. Reported per length: the greedy
-agreement (the share of the generated tokens before the two first differ) and the sampled tokens' logprob
-differences over that agreed prefix (mean and max of |exact - bounded|); and the tokens computed to get the
-window state at B: bounded 128, exact replay window x depth, and recomputing the whole prefix (B) without one.
+that snapshot (and again after replays of 64 and 32 tokens, to show the trend). Both generate `--tokens` greedy
+tokens with their logprobs. Reported per length: the greedy agreement (the share of the generated tokens before
+the two first differ) and the sampled tokens' logprob differences over that agreed prefix (mean and max of
+|exact - bounded|); and the tokens computed to get the window state at B: bounded 128, exact replay window x
+depth, and recomputing the whole prefix (B) without one.
 
 Models: the embedded one (window 32 x 6 layers = 192 > 128: bounded is approximate) and the tiny test model of
 tests/tiny.py (window 16 x 6 = 96 <= 128: bounded replays more than exactness needs, so it is exact) where

@@ -148,7 +148,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                         verify_planner=planner, **_kv_tiers(pm, config, model, cache),
-                        **_swa_slots(config, cache, runner, proposer, placement))
+                        **_swa_slots(config, cache, runner, proposer, placement), **_swa_replay(config, cache, runner))
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
@@ -264,8 +264,12 @@ def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:
     logger.info("KV cache tiers: host %s, store %s (namespace %s)",
                 f"{config.host_cache_bytes} bytes" if host else "none", config.kv_store or "none", namespace)
     page_io = _PageIO(cache, read_pages, write_pages)
-    return dict(kv_tiers=KVTiers(namespace, pool_bytes, cache.page_size, host, store, config.kv_store_ttl_class),
-                page_io=page_io)
+    if not config.kv_store_snapshots and len(cache.pools) > 1:  # a drafter's state owner is allocated too
+        raise ValueError("kv_store_snapshots=False replays the main layers' window state only: not with a "
+                         "speculative drafter's state")
+    store_pools = None if config.kv_store_snapshots else [p for p in pool_bytes if not p.endswith(".snapshot")]
+    return dict(kv_tiers=KVTiers(namespace, pool_bytes, cache.page_size, host, store, config.kv_store_ttl_class,
+                                 store_pools), page_io=page_io)
 
 
 def _swa_slots(config: EngineConfig, cache, runner, proposer, placement) -> dict:
@@ -286,6 +290,20 @@ def _swa_slots(config: EngineConfig, cache, runner, proposer, placement) -> dict
                 config.swa_host_slots * size / 2**20)
     return dict(swa_slots=SWASlots(config.swa_host_slots, size, cache.page_size, slot_layout(cache),
                                    socket.gethostname()), slot_io=runner)
+
+
+def _swa_replay(config: EngineConfig, cache, runner) -> dict:
+    """The SWA replay of prefixes whose window snapshots the store does not keep (`kv_store_snapshots=False`),
+    `swa_replay` tokens long (`exact`: window x depth; `bounded`: 128), as `EngineCore` keywords. docs/cache.md."""
+    if config.kv_store_snapshots:
+        return {}
+    import functools
+
+    from deepserve.model.swa_replay import BOUNDED_LENGTH, exact_length
+
+    length = BOUNDED_LENGTH if config.swa_replay == "bounded" else exact_length(cache)
+    logger.info("SWA replay: %s, %d tokens per prefix whose window snapshot is not stored", config.swa_replay, length)
+    return dict(replay_snapshot=functools.partial(runner.replay_snapshot, length=length))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,9 +56,11 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = args.kv_cache_bytes
     for name in ("host_cache_bytes", "kv_store", "kv_store_deadline", "kv_store_ttl_class",  # docs/cache.md
-                 "kv_events_config", "swa_host_slots"):
+                 "kv_events_config", "swa_host_slots", "swa_replay"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
+    if args.kv_store_snapshots is not None:
+        engine_kwargs["kv_store_snapshots"] = args.kv_store_snapshots
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
         engine_kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     for name in SCALE_OUT_OPTIONS:  # docs/distributed.md
@@ -189,6 +191,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--swa-host-slots", type=int, default=None, metavar="N",
                        help="keep the window state past the last full page of N finished sequences in host "
                        "slots (MXFP8) for their next turn (docs/cache.md)")
+    serve.add_argument("--no-kv-store-snapshots", dest="kv_store_snapshots", action="store_false", default=None,
+                       help="store only the compressed KV pools, not the page-boundary window snapshots; a prefix "
+                       "from the store then replays its window state (--swa-replay)")
+    serve.add_argument("--swa-replay", default=None, choices=["exact", "bounded"],
+                       help="how a prefix whose window snapshot is not stored gets it back: exact (window x depth "
+                       "tokens, the default) or bounded (the last 128 tokens, attending within them)")
     serve.add_argument("--kv-events-config", default=None, metavar="JSON",
                        help='publish KV cache events for routers, as vLLM does: \'{"enable_kv_cache_events": true, '
                        '"endpoint": "tcp://*:5557"}\'')

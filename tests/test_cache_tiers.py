@@ -325,7 +325,9 @@ def test_tier_counters_reach_metrics(tiny_dir, cold, tmp_path):
     llm = make_llm(tiny_dir, kv_store=f"dir://{tmp_path}/kv", host_cache_bytes=2**24)
     run(llm, items)
 
-    class Engine:
+    class Engine:  # the AsyncEngine's face that metrics read: its snapshot and its core
+        engine = llm.engine
+
         def snapshot(self):
             return llm.engine.snapshot()
 

@@ -49,3 +49,30 @@ def test_a_window_times_depth_replay_rebuilds_the_snapshot_and_a_short_one_appro
     assert warm.num_cached_tokens == 2 * P and warm.outputs[0].token_ids == cold.outputs[0].token_ids
     for t, a, b in zip(cold.outputs[0].token_ids, warm.outputs[0].logprobs, cold.outputs[0].logprobs):
         assert abs(a[t].logprob - b[t].logprob) < 1e-3
+
+
+def test_a_store_without_window_snapshots_is_hit_through_an_swa_replay(tiny_dir, tmp_path):
+    rng = random.Random(6)
+    prompt = [rng.randrange(2, 512) for _ in range(2 * P + 20)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def engine(mode):
+        return LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=P, kv_store=f"dir://{tmp_path}/{mode}",
+                   kv_store_snapshots=False, swa_replay=mode)
+
+    def run(llm):
+        return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+
+    for mode, replayed in (("bounded", BOUNDED_LENGTH), ("exact", 96)):
+        first = engine(mode)
+        cold = run(first)
+        first.engine.kv_tiers.flush(5.0)
+        assert list(tmp_path.glob(f"{mode}/**/layers_csa")) and not list(tmp_path.glob(f"{mode}/**/layers_snapshot"))
+        second = engine(mode)  # a restart: its pages come from the store, without their snapshots
+        warm = run(second)
+        assert warm.num_cached_tokens == 2 * P and second.engine.num_replayed_tokens == replayed
+        assert warm.outputs[0].token_ids == cold.outputs[0].token_ids  # the tiny model's 96 <= 128: both exact
+        for t, a, b in zip(cold.outputs[0].token_ids, warm.outputs[0].logprobs, cold.outputs[0].logprobs):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-3
+        again = run(second)  # a GPU hit on the replayed page: nothing to replay
+        assert again.num_cached_tokens == 2 * P and second.engine.num_replayed_tokens == replayed

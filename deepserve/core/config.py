@@ -391,7 +391,10 @@ class EngineConfig:
       `agent`, the retention class of the blocks written). `kv_events_config`: vLLM's KV events for routers
       (`{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}`, a dict or its JSON; docs/cache.md).
       `swa_host_slots`: how many finished sequences keep their window state past the last full page in a host
-      slot (MXFP8) for their next turn (docs/cache.md; not with speculative decoding).
+      slot (MXFP8) for their next turn (docs/cache.md; not with speculative decoding). `kv_store_snapshots`:
+      False stores only the compressed pools (not the page-boundary window snapshots, two thirds of a block on
+      small models); a prefix from the store then rebuilds its last page's snapshot by `swa_replay`: `exact`
+      (window x depth tokens, the default) or `bounded` (DeepInfer's 128 tokens, attending within them).
     - Structured output: `structured_outputs_backend` (the grammar plugin for requests that name none),
       `grammar_compile_timeout` (seconds), `grammar_compile_workers` (threads).
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
@@ -437,6 +440,8 @@ class EngineConfig:
     kv_store_ttl_class: str = "chat"
     kv_events_config: Any = None
     swa_host_slots: int | None = None
+    kv_store_snapshots: bool = True
+    swa_replay: str = "exact"
     structured_outputs_backend: str = "llguidance"
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
@@ -513,6 +518,10 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("swa_host_slots restore a sequence on top of its cached pages: they need "
                                  "enable_prefix_caching")
+        if self.swa_replay not in ("exact", "bounded"):
+            raise ValueError(f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
+        if not self.kv_store_snapshots and self.kv_store is None:
+            raise ValueError("kv_store_snapshots=False says what the block store keeps: it needs a kv_store")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.step_time_target > 0:

@@ -170,6 +170,7 @@ class EngineCore:
         page_io: PageIO | None = None,
         swa_slots: SWASlots | None = None,
         slot_io: SlotIO | None = None,
+        replay_snapshot: Callable[[list[int], int, Sequence[int]], int] | None = None,
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
         `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
@@ -206,6 +207,9 @@ class EngineCore:
         self._resumes: dict[str, Resume] = {}  # request -> the slot its first chunk restores
         self._continued: dict[str, str] = {}  # request -> the key of the slot it was restored from
         self._slot_saves: list[tuple] = []  # (request, session, tokens, salt, continued key): for the next launch
+        # SWA replay: `replay_snapshot(table, boundary, token_ids)` rebuilds a hit's last page snapshot (runner side)
+        self.replay_snapshot = replay_snapshot
+        self.num_replayed_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -290,8 +294,8 @@ class EngineCore:
             outputs += self._fill_masks(masks)  # nothing in flight: the matchers are up to date, fill before launch
         copies, self._copies_in = self._copies_in, []
         saves, self._slot_saves = self._slot_saves, []
-        restores = self._slot_restores(step_input)
-        launched = (plan, self._worker.submit(self._run, step_input, copies, saves, restores)) \
+        restores, replays = self._slot_restores(step_input), self._snapshot_replays(step_input)
+        launched = (plan, self._worker.submit(self._run, step_input, copies, saves, restores, replays)) \
             if plan.chunks or plan.finished_request_ids or plan.preempted_request_ids else None
         if launched is None:
             self._copies_in, self._slot_saves = copies, saves
@@ -315,7 +319,8 @@ class EngineCore:
         if self.kv_tiers is not None:
             self.kv_tiers.close()  # the store writes in flight finish (each within the store's deadline)
 
-    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = (), saves=(), restores=()) -> StepOutput:
+    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = (), saves=(), restores=(),
+             replays=()) -> StepOutput:
         began = time.perf_counter()
         if self._last_end is not None and step.chunks:
             self.stats.host_gaps.append(began - self._last_end)
@@ -323,6 +328,8 @@ class EngineCore:
             self._save_slot(*save)
         for pages, blocks in copies:  # blocks loaded from a lower tier, into their pages before anything reads them
             self.page_io.write(pages, blocks)
+        for table, boundary, token_ids in replays:  # after the pages, before the step restores from them
+            self.num_replayed_tokens += self.replay_snapshot(table, boundary, token_ids)
         for request_id, table, num_tokens, payload in restores:  # after the pages: a restore starts from them
             self.slot_io.restore_sequence(request_id, table, num_tokens, payload)
         out = self.executor.execute(step)
@@ -526,6 +533,21 @@ class EngineCore:
                 restores.append((c.request_id, list(c.block_table), resume.num_tokens, resume.payload))
         return restores
 
+    def _snapshot_replays(self, step: StepInput) -> list[tuple[list[int], int, tuple[int, ...]]]:
+        """The SWA replays this step needs, (table, boundary, token ids): a request admitted with a prefix hit
+        whose last page came without its window snapshot (a store that keeps none) has it rebuilt before the step
+        reads it."""
+        if self.replay_snapshot is None:
+            return []
+        replays = []
+        for c in step.chunks:
+            replay = self.scheduler.kv.take_snapshot_replay(c.request_id)
+            if replay is not None and c.start == replay[0]:  # else an SWA slot restores past it
+                self.scheduler.kv.snapshot_replayed(replay[1][-1])
+                tokens = tuple(self.scheduler.requests[c.request_id].all_token_ids[: replay[0]])
+                replays.append((list(c.block_table), replay[0], tokens))
+        return replays
+
     def _save_slot(self, request_id: str, session_id: str | None, token_ids: tuple[int, ...],
                    salt: str | None, continued: str | None) -> None:
         try:
@@ -560,6 +582,8 @@ class EngineCore:
                                   self.scheduler.requests[load.request_id].prompt_token_ids)
             if new:
                 self._copies_in.append(([page for _, page in new], [blocks[i - load.first] for i, _ in new]))
+                kv.mark_unsnapshotted([page for i, page in new if len(blocks[i - load.first]) < len(
+                    self.kv_tiers.pool_bytes)])  # a store without window snapshots: replayed on a hit
             self.kv_tiers.record(load, len(new))
             self.scheduler.kv_loaded(load.request_id)
 

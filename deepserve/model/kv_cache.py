@@ -266,11 +266,17 @@ def read_pages(cache: PagedKVCache, pages: Sequence[int]) -> list[dict[str, byte
 
 
 def write_pages(cache: PagedKVCache, pages: Sequence[int], blocks: Sequence[dict[str, bytes]]) -> None:
-    """Put `blocks` (as `read_pages` gives them) into `pages`."""
+    """Put `blocks` (as `read_pages` gives them) into `pages`; a pool a block lacks is left as the page holds it
+    (a store without window snapshots: the page's snapshot is then replayed)."""
     if not pages:
         return
     sizes = page_pool_bytes(cache)
     for name, tensors in page_pools(cache).items():
+        have = [i for i, block in enumerate(blocks) if name in block]
+        if len(have) < len(blocks):
+            if have:
+                write_pages(cache, [pages[i] for i in have], [{name: blocks[i][name]} for i in have])
+            continue
         data = b"".join(block[name] for block in blocks)
         if len(data) != sizes[name] * len(pages):
             raise ValueError(f"pool {name!r}: {len(data)} bytes for {len(pages)} pages of {sizes[name]}")

@@ -107,6 +107,13 @@ class ModelRunner(ModelExecutor):
         state, slot = unpack_state(self.cache, table, num_tokens, payload)
         self._seqs[request_id] = _Seq(state, slot, table)
 
+    def replay_snapshot(self, table: list[int], boundary: int, token_ids, length: int) -> int:
+        """Rebuild page `table[boundary / P - 1]`'s window snapshot from the `length` tokens before `boundary`
+        (`deepserve.model.swa_replay`); returns the tokens computed."""
+        from .swa_replay import replay_snapshot
+
+        return replay_snapshot(self.cache, table, boundary, token_ids, length)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         clock = _StepClock(self.device)

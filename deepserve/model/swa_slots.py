@@ -48,7 +48,8 @@ def mxfp8_decode(payload: bytes, num_values: int) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(payload[:padded + padded // MX_BLOCK]), dtype=torch.uint8)
     codes = raw[:padded].view(torch.float8_e4m3fn).float().view(-1, MX_BLOCK)
     exponent = raw[padded:].to(torch.int32) - 127
-    return (codes * torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)[:, None]).reshape(-1)[:num_values]
+    scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+    return (codes * scale[:, None]).reshape(-1)[:num_values]
 
 
 def mxfp8_error_bound(values: torch.Tensor) -> torch.Tensor:

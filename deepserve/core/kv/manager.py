@@ -23,6 +23,11 @@ until its `get_computed_blocks` (or `free`), so nothing evicts them while it wai
 `take_new_blocks()` hands out the pages `cache_full_blocks` registered since the last call (what a step computed,
 for the tiers to copy out). With an `emit` callback, every block registered and every page evicted is a KV event
 (`deepserve.core.kv.events`: BlockStored / BlockRemoved, medium GPU) for cache-aware routers.
+
+Pages placed from a store that keeps no window snapshots (`kv_store_snapshots=False`) are marked
+(`mark_unsnapshotted`): a prefix hit that ends on one records a *snapshot replay* (`take_snapshot_replay`), which
+the engine has the runner do before the request's first step (SWA replay, docs/cache.md); a page allocated
+afresh is computed, so it loses the mark.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class KVCacheManager:
         #: keep (hash, page) of every block `cache_full_blocks` registers, for `take_new_blocks`
         self.record_new_blocks = False
         self._new_blocks: list[tuple[BlockHash, int]] = []
+        self._unsnapshotted: set[int] = set()  # pages whose boundary snapshot is not there
+        self._replays: dict[RequestId, tuple[int, list[int]]] = {}  # request -> (boundary, its hit pages)
         self.emit = emit
         if emit is not None:
             from deepserve.core.kv.events import BlockRemoved
@@ -129,6 +136,8 @@ class KVCacheManager:
         self.block_tables[request_id] = list(hit)
         self._num_registered[request_id] = len(hit)
         num_cached_tokens = len(hit) * self.block_size
+        if hit and hit[-1] in self._unsnapshotted:
+            self._replays[request_id] = (num_cached_tokens, list(hit))
         self.num_prefix_queries += len(token_ids)
         self.num_prefix_hits += num_cached_tokens
         return hit, num_cached_tokens
@@ -149,6 +158,7 @@ class KVCacheManager:
             self.block_tables[request_id] = table
             self._num_registered[request_id] = 0
         new_pages = self.pool.allocate(num_needed)
+        self._unsnapshotted.difference_update(new_pages)
         table.extend(new_pages)
         return new_pages
 
@@ -222,6 +232,7 @@ class KVCacheManager:
                 break
             else:
                 page = self.pool.allocate(1)[0]
+                self._unsnapshotted.discard(page)
                 self.pool.cache_block(page, block_hash)
                 new.append((i, page))
                 if len(token_ids) >= (i + 1) * self.block_size:
@@ -229,6 +240,18 @@ class KVCacheManager:
             held.append(page)
         self._held[request_id] = held
         return new
+
+    def mark_unsnapshotted(self, pages: Sequence[int]) -> None:
+        """These pages were placed without their boundary snapshot: a hit ending on one must replay it first."""
+        self._unsnapshotted.update(pages)
+
+    def take_snapshot_replay(self, request_id: RequestId) -> tuple[int, list[int]] | None:
+        """(boundary, pages) when the request's prefix hit ended on a page without its snapshot, once."""
+        return self._replays.pop(request_id, None)
+
+    def snapshot_replayed(self, page: int) -> None:
+        """The page's snapshot is rebuilt (before any step reads it): hits may end on it as on any other."""
+        self._unsnapshotted.discard(page)
 
     def _release_hold(self, request_id: RequestId) -> None:
         held = self._held.pop(request_id, None)
@@ -242,6 +265,7 @@ class KVCacheManager:
         every longer hit depends on.
         """
         self._release_hold(request_id)
+        self._replays.pop(request_id, None)
         table = self.block_tables.get(request_id)
         if table is not None:
             self.pool.free(reversed(table))

@@ -166,12 +166,19 @@ class KVTiers:
     (the page layout); `page_size`: tokens per block."""
 
     def __init__(self, namespace: str, pool_bytes: Mapping[str, int], page_size: int,
-                 host: HostTier | None = None, store: GuardedStore | None = None, ttl_class: str | None = None) -> None:
+                 host: HostTier | None = None, store: GuardedStore | None = None, ttl_class: str | None = None,
+                 store_pools: Sequence[str] | None = None) -> None:
+        """`store_pools`: the pools the store keeps (default all; without the snapshot pools, blocks read from the
+        store lack them and their pages need an SWA replay)."""
         if host is None and store is None:
             raise ValueError("KVTiers needs a host tier, a store, or both")
         if not pool_bytes:
             raise ValueError("a block needs at least one pool")
         self.namespace, self.pool_bytes, self.page_size = namespace, dict(pool_bytes), page_size
+        self.store_pools = list(pool_bytes) if store_pools is None else list(store_pools)
+        unknown = [p for p in self.store_pools if p not in self.pool_bytes]
+        if unknown or not self.store_pools:
+            raise ValueError(f"store_pools {self.store_pools} must be some of the pools {list(self.pool_bytes)}")
         self.host, self.store, self.ttl_class = host, store, ttl_class
         self.store_stats = TierStats()
         self._thread = StoreThread() if store is not None else None
@@ -210,7 +217,7 @@ class KVTiers:
         return True
 
     async def _read_store(self, block_hashes: list[BlockHash]) -> list[Block]:
-        pools = list(self.pool_bytes)
+        pools = self.store_pools
         keys = [store_hash(h) for h in block_hashes]
         errors = self.store.num_errors
         n = await self.store.longest_prefix(self.namespace, keys, pools)
@@ -298,13 +305,13 @@ class KVTiers:
 
     async def _write_store(self, blocks: list[tuple[BlockHash, Block]]) -> None:
         items = [(BlockKey(self.namespace, store_hash(h), pool), block[pool]) for h, block in blocks
-                 for pool in self.pool_bytes]
+                 for pool in self.store_pools]
         errors = self.store.num_errors
         stored = await self.store.put_many(items, self.ttl_class)
         self.store_stats.num_errors += self.store.num_errors - errors
-        whole = stored // len(self.pool_bytes) if stored == len(items) else 0
+        whole = stored // len(self.store_pools) if stored == len(items) else 0
         self.store_stats.num_stored_blocks += whole
-        self.store_stats.num_stored_bytes += whole * self.block_bytes
+        self.store_stats.num_stored_bytes += whole * sum(self.pool_bytes[p] for p in self.store_pools)
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the store writes in flight; True when none is left."""
