@@ -14,8 +14,9 @@ engines live side by side and take each request in turn, so a busy shared machin
 wall-clock TTFT, the process's CPU seconds to the first token are recorded (steadier on a shared machine).
 
 Setups, each a fresh engine (and a fresh store directory): GPU pages only; + a host tier (`host_cache_bytes`
-large enough for every block); + a `dir://` store (no host tier); + `ec:10+2:dir://` (no host tier); host tier +
-SWA host slots (`swa_host_slots` = sessions: each next turn restores its tail from the slot). Per setup: TTFT
+large enough for every block); + a `dir://` store (no host tier); + `ec:10+2:dir://` (no host tier); + a `dir://`
+store that keeps no window snapshots, its prefixes' window state rebuilt by a bounded SWA replay; host tier + SWA
+host slots (`swa_host_slots` = sessions: each next turn restores its tail from the slot). Per setup: TTFT
 median and p99, prefill tokens computed (prompt tokens minus `num_cached_tokens`) and the tokens each tier
 supplied; ratios against GPU-only measured in the same run. Also pyeclib's 10+2 encode and decode speed at the
 model's block size and at 1 MiB. The H200 run of this trace is not done here (no device in the session that
@@ -101,7 +102,7 @@ class Setup:
     def result(self) -> dict:
         engine = self.llm.engine
         tiers = {tier: {"hit_tokens": s.num_hit_tokens, "errors": s.num_errors,
-                        "evicted_blocks": s.num_evicted_blocks}
+                        "evicted_blocks": s.num_evicted_blocks, "stored_bytes": s.num_stored_bytes}
                  for tier, s in (engine.kv_tiers.snapshot().items() if engine.kv_tiers is not None else ())}
         swa = engine.swa_slots.stats if engine.swa_slots is not None else None
         return {
@@ -109,7 +110,7 @@ class Setup:
             "prefill_tokens_computed": self.computed, "cached_tokens": self.cached,
             "ttft_median_s": statistics.median(self.ttft), "ttft_p99_s": _p99(self.ttft),
             "cpu_ttft_median_s": statistics.median(self.cpu_ttft), "cpu_ttft_p99_s": _p99(self.cpu_ttft),
-            "tiers": tiers,
+            "tiers": tiers, "replayed_tokens": engine.num_replayed_tokens,
             "swa_slots": None if swa is None else {"saved": swa.num_saved, "restored": swa.num_restored,
                                                    "evicted": swa.num_evicted},
         }
@@ -156,12 +157,15 @@ def plot(result: dict, path: Path) -> None:
     rows = result["setups"]
     names = [r["setup"] for r in rows]
     x = range(len(rows))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
     a.bar([i - 0.2 for i in x], [r["ttft_median_s"] * 1e3 for r in rows], 0.4, label="median")
     a.bar([i + 0.2 for i in x], [r["ttft_p99_s"] * 1e3 for r in rows], 0.4, label="p99")
     a.set_ylabel("time to first token (ms)")
-    b.bar(list(x), [r["prefill_tokens_computed"] for r in rows], 0.6, color="tab:green")
+    b.bar(list(x), [r["prefill_tokens_computed"] for r in rows], 0.6, color="tab:green", label="prompt tokens")
+    b.bar(list(x), [r.get("replayed_tokens", 0) for r in rows], 0.6, color="tab:olive", label="SWA replay",
+          bottom=[r["prefill_tokens_computed"] for r in rows])
     b.set_ylabel("prefill tokens computed")
+    b.legend()
     for ax in (a, b):
         ax.set_xticks(list(x), names, rotation=20, ha="right")
     a.legend()
@@ -199,6 +203,8 @@ def main() -> None:
     setups = [("GPU pages", {}), ("+ host tier", dict(host_cache_bytes=big)),
               ("+ dir store", dict(kv_store=f"dir://{root}/dir")),
               ("+ ec:10+2 (dir)", dict(kv_store=f"ec:10+2:dir://{root}/ec")),
+              ("+ dir, no snapshots, bounded replay",
+               dict(kv_store=f"dir://{root}/dir-replay", kv_store_snapshots=False, swa_replay="bounded")),
               ("+ host tier + SWA slots", dict(host_cache_bytes=big, swa_host_slots=args.sessions))]
     try:
         engines = [Setup(name, args, {**base, **kw}) for name, kw in setups]
@@ -211,7 +217,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for row in rows:
-        print(f"{row['setup']:26s} TTFT median {row['ttft_median_s'] * 1e3:7.1f} ms  p99 {row['ttft_p99_s'] * 1e3:7.1f}"
+        print(f"{row['setup']:36s} TTFT median {row['ttft_median_s'] * 1e3:7.1f} ms  p99 {row['ttft_p99_s'] * 1e3:7.1f}"
               f" ms  (CPU {row['cpu_ttft_median_s'] * 1e3:7.1f} / {row['cpu_ttft_p99_s'] * 1e3:7.1f} ms)  prefill "
               f"computed {row['prefill_tokens_computed']:6d} of {row['prompt_tokens']}", flush=True)
     gpu = rows[0]
