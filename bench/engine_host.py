@@ -1,7 +1,8 @@
 """The engine's own host time per decode step, without a model: can it keep up with the GPU?
 
     python bench/engine_host.py [--batches 1,16,64,256] [--steps 200] [--out FILE]
-    PYTHONPATH=/tmp/old python bench/engine_host.py ...   # another tree's package (before/after)
+    PYTHONPATH=/tmp/old python bench/engine_host.py ...   # another tree's package
+    python bench/engine_host.py --baseline /tmp/old --repeats 3 ...   # both, case by case, alternately
 
 `EngineCore` (scheduler, KV manager, detokenizer, stop strings, outputs) drives an executor that returns every
 step's samples at once (random ids over the embedded model's tokenizer). So each `step()` is pure host work: plan
@@ -90,23 +91,70 @@ def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prom
     return 1e3 * statistics.median(times)
 
 
+def compare(args) -> None:
+    """Each case `repeats` times with the baseline package and with this one, alternately (so a burst of load
+    elsewhere hits both alike); the fastest of each, and their ratio."""
+    import os
+    import subprocess
+    import tempfile
+
+    trees = {"baseline": str(args.baseline.resolve()), "current": ""}
+    res = {"python": sys.version.split()[0], "steps": args.steps, "repeats": args.repeats, "baseline": trees["baseline"],
+           "ms_per_step": {}}
+    for n, gen, b in itertools.product(args.prompt_lens.split(","), args.generated.split(","), args.batches.split(",")):
+        runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    env = {**os.environ, "PYTHONPATH": tree} if tree else \
+                        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                    subprocess.run([sys.executable, __file__, "--batches", b, "--prompt-lens", n, "--generated", gen,
+                                    "--steps", str(args.steps), "--out", f.name], env=env, check=True,
+                                   stdout=subprocess.DEVNULL)
+                    runs[name].append(next(iter(json.loads(Path(f.name).read_text())["ms_per_step"].values())))
+        row = {"batch": int(b), "prompt_len": int(n), "generated": int(gen)}
+        for mode in ("streaming", "streaming_views", "stop_strings", "final_only"):
+            old, new = (min(r[mode] for r in runs[name]) for name in ("baseline", "current"))
+            row[mode] = {"baseline": old, "current": new, "speedup": old / new}
+        res["ms_per_step"][f"{b}x{n}+{gen}"] = row
+        print(f"batch {int(b):4d}, prompts of {int(n):5d}, {int(gen):5d} generated: " + ", ".join(
+            f"{mode} {row[mode]['baseline']:.3f} -> {row[mode]['current']:.3f} ms"
+            for mode in ("streaming", "streaming_views", "stop_strings", "final_only")), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-lens", default="64,4096")
     ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each case this many times and keep the fastest (a shared machine's bursts of load)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a tree holding the old package (`git archive HEAD deepserve | tar -x -C DIR`): every case "
+                         "is measured with it and with this one, alternately, in child processes")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.baseline is not None:
+        return compare(args)
     cfg = ModelConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
     tokenizer = Tokenizer(MODEL, cfg)
-    res = {"python": sys.version.split()[0], "steps": args.steps, "ms_per_step": {}}
+    import deepserve
+
+    res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent), "steps": args.steps,
+           "repeats": args.repeats, "ms_per_step": {}}
     for n, gen, b in itertools.product(map(int, args.prompt_lens.split(",")), map(int, args.generated.split(",")),
                                        map(int, args.batches.split(","))):
-        plain = measure(b, args.steps, None, tokenizer, cfg, n, gen)
-        stops = measure(b, args.steps, ["<|no such text|>", "\x00END\x00"], tokenizer, cfg, n, gen)  # never met
-        final = measure(b, args.steps, None, tokenizer, cfg, n, gen, final_only=True)
-        views = measure(b, args.steps, None, tokenizer, cfg, n, gen, views=True)
+        def best(**kw) -> float:
+            return min(measure(b, args.steps, tokenizer=tokenizer, cfg=cfg, prompt_len=n, generated=gen, **kw)
+                       for _ in range(args.repeats))
+
+        plain = best(stop=None)
+        stops = best(stop=["<|no such text|>", "\x00END\x00"])  # never met
+        final = best(stop=None, final_only=True)
+        views = best(stop=None, views=True)
         res["ms_per_step"][f"{b}x{n}+{gen}"] = {"batch": b, "prompt_len": n, "generated": gen, "streaming": plain,
                                                  "stop_strings": stops, "final_only": final, "streaming_views": views}
         print(f"batch {b:4d}, prompts of {n:5d}, {gen:5d} generated: streaming {plain:7.3f} ms a step "

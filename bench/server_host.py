@@ -2,7 +2,8 @@
 
     python bench/server_host.py [--concurrency 64,256] [--max-tokens 128] [--prompt-len 512] [--rounds 2]
     python bench/server_host.py --concurrency 256 --device-ms 5.75     # a device step as long as the H200's
-    PYTHONPATH=/tmp/old python bench/server_host.py ...    # another tree's package (before/after)
+    PYTHONPATH=/tmp/old python bench/server_host.py ...    # another tree's package
+    python bench/server_host.py --baseline /tmp/old --repeats 3 ...   # both, alternately (before/after)
 
 The server side is the real app (`deepserve.server.create_app`, run on uvloop as `deepserve serve` runs it) over
 an `EngineCore` whose executor returns every step's samples at once (bench/engine_host.py's `InstantExecutor`:
@@ -194,6 +195,37 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
     return sum(counts) / seconds, sum(counts) / cpu
 
 
+def compare(args) -> None:
+    import tempfile
+
+    trees = {"baseline": str(args.baseline.resolve()), "current": ""}
+    res = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "baseline": trees["baseline"],
+           "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds, "repeats": args.repeats,
+           "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
+           "tokens_per_s": {}}
+    for c in args.concurrency.split(","):
+        runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    env = {**os.environ, "PYTHONPATH": tree} if tree else \
+                        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                    subprocess.run([sys.executable, __file__, "--concurrency", c, "--max-tokens", str(args.max_tokens),
+                                    "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds),
+                                    "--repeats", "1", "--device-ms", str(args.device_ms),
+                                    "--switch-interval", str(args.switch_interval), "--out", f.name],
+                                   env=env, check=True, stdout=subprocess.DEVNULL)
+                    runs[name].append(json.loads(Path(f.name).read_text())["tokens_per_s"][c])
+        row = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+        res["tokens_per_s"][c] = row
+        print(f"concurrency {int(c):4d}: " + "; ".join(
+            f"{name}: engine {r['engine_final_only']:7.0f} tok/s, server {r['server']:7.0f} = "
+            f"{100 * r['server_share_of_engine']:5.1f}% ({100 * r['server_share_of_engine_cpu']:5.1f}% per CPU s)"
+            for name, r in row.items()), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="64,256")
@@ -205,12 +237,18 @@ def main() -> None:
                     help="a device step's milliseconds, slept by the executor's thread (0: none, pure host work)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="the server process's sys.setswitchinterval seconds (0: Python's default, 5 ms)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a tree holding the old package: each concurrency is measured `repeats` times with it and "
+                         "with this one, alternately, in child processes (medians of each)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the child: serve on this port
     ap.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
         serve(args.serve, int(args.concurrency), args.max_model_len, args.device_ms, args.switch_interval)
+        return
+    if args.baseline is not None:
+        compare(args)
         return
     import deepserve
 
