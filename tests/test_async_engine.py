@@ -118,3 +118,31 @@ async def test_request_finished_hook_sees_every_finished_request(tiny_dir):
     assert stats["done"].num_prompt_tokens == 5 and stats["done"].time_to_first_token is not None
     assert stats["left"].finish_reason == "abort"
     assert not eng.is_dead
+
+
+def _snapshot(n: int, finished: bool = False):
+    from deepserve.core.outputs import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(0, "x" * n, list(range(n)), finish_reason="length" if finished else None)
+    return RequestOutput("r", None, [1], None, [completion], finished)
+
+
+async def test_a_consumer_behind_the_engine_reads_the_newest_snapshot_then_the_end():
+    from deepserve.core.async_engine import _Stream
+
+    stream = _Stream()
+    for n in (1, 2, 3):  # three steps while the consumer was busy: cumulative, so the newest holds them all
+        stream.put(_snapshot(n))
+    stream.put(_snapshot(4, finished=True))  # the end always comes on its own
+    assert [len((await stream.get()).outputs[0].token_ids) for _ in range(2)] == [3, 4]
+    stream.put(_snapshot(5))
+    stream.put(error := RuntimeError("the engine thread failed"))
+    stream.put(_snapshot(6))  # nothing overtakes an error
+    assert len((await stream.get()).outputs[0].token_ids) == 5
+    assert await stream.get() is error
+    waiter = asyncio.ensure_future(stream.get())
+    assert len((await waiter).outputs[0].token_ids) == 6
+    waiter = asyncio.ensure_future(stream.get())  # a waiting consumer is woken by the next put
+    await asyncio.sleep(0)
+    stream.put(_snapshot(7))
+    assert len((await asyncio.wait_for(waiter, 5)).outputs[0].token_ids) == 7
