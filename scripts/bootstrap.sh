@@ -14,7 +14,16 @@ python -m pip install -q -e ".[test]"
 python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
 # The Redis block store's tests start a redis-server of their own (tests/test_cache_redis.py): Debian's package where
 # apt-get can install it (CI and developers' machines run as root); the tests skip, saying why, without one.
-if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } \
-        >/dev/null 2>&1 || echo "bootstrap: could not install redis-server; the Redis store tests will skip" >&2
+# The Mooncake store's tests (tests/test_cache_mooncake.py) start a mooncake_master of their own from Mooncake's
+# CPU wheel, which links libibverbs1; the same rule: installed where it can be, else those tests skip saying why.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    missing=()
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
+    if [ ${#missing[@]} -gt 0 ]; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
+            >/dev/null 2>&1 || echo "bootstrap: could not install ${missing[*]}; the Redis / Mooncake store tests will skip" >&2
+    fi
 fi
+python -c "import mooncake.store" 2>/dev/null || python -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+    >/dev/null 2>&1 || echo "bootstrap: could not install Mooncake's wheel; the Mooncake store tests will skip" >&2
