@@ -177,30 +177,8 @@ def test_anthropic_sdk_forced_tool_use(server):
 
 
 # -- lm-eval ---------------------------------------------------------------------------------------------------------
-MC = [{"question": "The capital of France is", "choices": [" Paris", " Rome", " Oslo"], "answer": 0},
-      {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
-      {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},
-      {"question": "Water is", "choices": [" wet", " dry"], "answer": 0},
-      {"question": "Fire is", "choices": [" hot", " cold"], "answer": 1}]
-GEN = [{"question": "Q: What is 1 + 1?\nA:", "answer": " 2"}, {"question": "Q: Name a colour.\nA:", "answer": " red"}]
-
-
-def write_tasks(root: Path) -> Path:
-    tasks = root / "tasks"
-    tasks.mkdir()
-    (tasks / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in MC))
-    (tasks / "gen.jsonl").write_text("".join(json.dumps(d) + "\n" for d in GEN))
-    common = "dataset_path: json\ntest_split: test\ndoc_to_text: \"{{question}}\"\n"
-    (tasks / "ds_mc.yaml").write_text(
-        f"task: ds_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n")
-    (tasks / "ds_gen.yaml").write_text(
-        f"task: ds_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'gen.jsonl'}\n"
-        "output_type: generate_until\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 6\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
-    return tasks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from client_audit import MC, write_tasks  # noqa: E402  the audit's lm-eval task directory, one definition for both
 
 
 def test_lm_eval_local_completions_runs_loglikelihood_and_generate_until_tasks(server, tmp_path):
