@@ -14,22 +14,10 @@ from deepserve.core.sampling_params import SamplingParams
 from deepserve.model.speculative import DraftChunk, RowSampling
 from deepserve.model.v41 import load_v41
 from deepserve.plugins.speculative.dspark_v41 import V41DSparkProposer
+from test_v41_engine import greedy, prompt  # the contiguous model's own greedy decode, random prompts
 
 TINY = Path(__file__).parent / "golden" / "v41" / "tiny_a" / "tiny"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    state, out = model.make_state(), []
-    logits = model.forward(ids, state).logits
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.forward([out[-1]], state).logits
-    return out
 
 
 def spec_llm(k: int = 3) -> LLM:
