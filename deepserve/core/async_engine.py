@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import itertools
 import logging
 import queue
@@ -100,6 +101,9 @@ class AsyncEngine:
         self._posts: list = []  # posted by the engine thread, not yet delivered on the event loop
         self._posts_lock = threading.Lock()
         self._dead: BaseException | None = None
+        # the data-parallel front (`deepserve.distributed.front`) keeps no SWA host slots and takes no session
+        parameters = inspect.signature(engine.add_request).parameters.values()
+        self._takes_session = any(p.name == "session_id" or p.kind is p.VAR_KEYWORD for p in parameters)
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -139,19 +143,24 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
         prompt: str | None = None, cache_salt: str | None = None, views: bool = False,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative snapshots) until it finishes. Closing or cancelling the
         iterator aborts the request. `views`: the snapshots' token ids and logprobs are read-only views
-        (`outputs.Prefix`: index, slice, len) instead of copies of the whole output (`EngineCore.add_request`)."""
+        (`outputs.Prefix`: index, slice, len) instead of copies of the whole output; `session_id`: the
+        conversation whose SWA host slot the request continues and then replaces (both `EngineCore.add_request`)."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if self._dead is not None:
             raise EngineDeadError("the engine thread has stopped") from self._dead
+        if session_id is not None and not self._takes_session:
+            raise ValueError(f"session_id is not supported by this engine ({type(self.engine).__name__})")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
         stream = self._streams[request_id] = _Stream()
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt, views)))
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt, views,
+                                    session_id)))
         arrived, first_token, last = time.perf_counter(), None, None
         finished = False
         try:
@@ -220,9 +229,11 @@ class AsyncEngine:
                     self.engine.step()
                 return False
             if kind == "add":
-                request_id, ids, params, prompt, salt, views = payload
+                request_id, ids, params, prompt, salt, views, session_id = payload
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt, views=views)
+                    session = {"session_id": session_id} if session_id is not None else {}
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt, views=views,
+                                            **session)
                 except ValueError as exc:
                     self._post([(request_id, exc)])
             elif kind == "abort":

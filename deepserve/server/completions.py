@@ -26,6 +26,7 @@ from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
 from deepserve.server.sampling_options import PENALTY_FIELDS, penalty_fields
+from deepserve.server.session import session_of
 from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
     grammar_failure, response_format_constraint, single, to_spec
@@ -39,7 +40,7 @@ def _is_not(value: int) -> Callable[[Any], bool]:
 
 _UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1)}
 KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
-                          "user", "response_format", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED,
+                          "user", "response_format", "session_id", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED,
                           *PENALTY_FIELDS})
 MAX_LOGPROBS = 20
 #: prompts one request may batch (each is its own choice and its own engine request)
@@ -124,6 +125,10 @@ def _prompt(prompt: Any, model: ModelInfo, param: str) -> tuple[str | None, list
 async def handle_completions(request: web.Request, body: dict[str, Any], ticket: Ticket) -> web.StreamResponse:
     model, engine, metrics = request.app[MODEL], request.app[ENGINE], request.app[METRICS]
     prompts, params, constraint_field = await run_in_pool(request.app, parse_completion, body, model)
+    session_id = session_of("completions", body)
+    if session_id is not None and len(prompts) > 1:
+        raise ApiError(400, "'session_id' names one conversation: send one prompt with it, not a batch",
+                       param="session_id")
     if params.structured_outputs is not None:
         await compile_grammar(engine.engine, params.structured_outputs, constraint_field, client_of(request))
     stream, echo = bool(body.get("stream")), bool(body.get("echo"))
@@ -141,7 +146,7 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     sse, failed = None, None
     try:
         with engine_errors():
-            outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share)
+            outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share, session_id=session_id)
             async with contextlib.aclosing(outs):
                 async for choice, out in outs:
                     choice.seen(out)

@@ -72,7 +72,8 @@ async def _run(request: web.Request, siblings: list[Prepared], translators: list
                 await started.wait()
             engine_id = f"{first.request_id}-{j}"
             ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
-            outs = engine.generate(first.prompt_token_ids, siblings[j].params, request_id=engine_id, views=True)
+            outs = engine.generate(first.prompt_token_ids, siblings[j].params, request_id=engine_id, views=True,
+                                   session_id=first.session_id)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     started.set()

@@ -104,7 +104,8 @@ async def _run(request: web.Request, prepared: Prepared,
     response_type = prepared.protocol.response_type
     sse: web.StreamResponse | None = None
     accumulated = None
-    stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id, views=True)
+    stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id, views=True,
+                             session_id=prepared.session_id)
     async with contextlib.aclosing(stream):
         try:
             with engine_errors():

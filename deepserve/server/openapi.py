@@ -17,6 +17,7 @@ from aiohttp import web
 from deepserve import __version__
 from deepserve.server.completions import MAX_PROMPTS
 from deepserve.server.config import ServerConfig
+from deepserve.server.session import MAX_SESSION_ID_LENGTH
 from deepserve.server.validation import MAX_N, MAX_SEED, MAX_STOP_STRINGS
 
 _STR, _INT, _BOOL, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"}
@@ -97,6 +98,9 @@ def _messages(roles: list[str]) -> dict:
 _CHAT_MESSAGES = _messages(["system", "user", "assistant", "tool", "latest_reminder"])
 _USAGE = _object([], {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                       "prompt_tokens_details": _object([], {"cached_tokens": _INT})})
+_SESSION_ID = {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_ID_LENGTH}
+_SESSION = _nullable({**_SESSION_ID, "description": "the conversation whose SWA host slot this turn continues "
+                                                    "(docs/cache.md)"})
 
 SCHEMAS: dict[str, Any] = {
     "Error": _object(["error"], {"error": _object(["message", "type"], {
@@ -111,7 +115,7 @@ SCHEMAS: dict[str, Any] = {
         "tools": _nullable({"type": "array", "items": _OBJ}), "tool_choice": {},
         "thinking": _nullable(_object([], {"type": {"enum": ["enabled", "disabled"]}})),
         "reasoning_effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
-        "response_format": _RESPONSE_FORMAT, **_GUIDED}),
+        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_GUIDED}),
     "ChatCompletion": _object(["id", "object", "created", "model", "choices"], {
         "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["index", "message", "finish_reason"], {
@@ -130,7 +134,7 @@ SCHEMAS: dict[str, Any] = {
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
         "skip_special_tokens": _nullable(_BOOL), "include_stop_str_in_output": _nullable(_BOOL),
         "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), **_PENALTIES,
-        "response_format": _RESPONSE_FORMAT, **_GUIDED}, extra=False),
+        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_GUIDED}, extra=False),
     "Completion": _object(["id", "object", "created", "model", "choices", "usage"], {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["text", "index", "finish_reason"], {
@@ -140,7 +144,10 @@ SCHEMAS: dict[str, Any] = {
         "model": _STR, "input": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
         "instructions": _nullable(_STR), "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
         "tools": _nullable({"type": "array", "items": _OBJ}), "reasoning": _nullable(_OBJ),
-        "text": _nullable(_TEXT_FORMAT), **_GUIDED}),
+        "text": _nullable(_TEXT_FORMAT), "session_id": _SESSION,
+        "conversation": _nullable({"anyOf": [_SESSION_ID, _object(["id"], {"id": _SESSION_ID})],
+                                   "description": "names the session (as session_id); no items are stored: send "
+                                                  "the whole conversation as input"}), **_GUIDED}),
     "Response": _object(["id", "object", "status", "model", "output"], {
         "id": _STR, "object": {"const": "response"}, "status": _STR, "model": _STR,
         "output": {"type": "array", "items": _OBJ}, "usage": _nullable(_OBJ)}),
@@ -151,7 +158,7 @@ SCHEMAS: dict[str, Any] = {
         "stop_sequences": _nullable({"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}),
         "thinking": _nullable(_OBJ),
         "tools": _nullable({"type": "array", "items": _OBJ}), "output_format": _ANTHROPIC_FORMAT,
-        "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), **_GUIDED}),
+        "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), "session_id": _SESSION, **_GUIDED}),
     "Message": _object(["id", "type", "role", "content", "model"], {
         "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
         "content": {"type": "array", "items": _OBJ}, "stop_reason": _nullable(_STR), "usage": _OBJ}),

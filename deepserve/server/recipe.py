@@ -30,6 +30,7 @@ from deepserve.server.dialects import rewrite
 from deepserve.server.usage import OutputUsage
 from deepserve.server.errors import ApiError, sampling_error
 from deepserve.server.sampling_options import penalty_fields, sibling_params
+from deepserve.server.session import session_of
 from deepserve.server.tool_calls import DSML, auto_choice, forced_tools, parallel_allowed, tool_call_spec
 from deepserve.server.structured import THINKING_END, Constraint, after_thinking, anthropic_constraints, \
     body_constraints, recipe_constraint, single, to_spec
@@ -62,7 +63,7 @@ CHAT = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionR
                  "modalities": lambda v: v is not None and v != ["text"]})
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_",
                      {"model": "m", "input": "x"}, "text.format",
-                     {"previous_response_id": _present, "conversation": _present, "prompt": _present,
+                     {"previous_response_id": _present, "prompt": _present,
                       "background": _nonempty})
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
                     {"model": "m", "messages": _MESSAGES, "max_tokens": 1}, "output_format",
@@ -72,7 +73,8 @@ MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_",
 @dataclass(slots=True)
 class Prepared:
     """A converted request, ready for the engine: prompt ids, sampling parameters, its stream processor and the
-    counter of its output usage. `constraint_field` names the field that asked for `params.structured_outputs` (None: unconstrained)."""
+    counter of its output usage. `constraint_field` names the field that asked for `params.structured_outputs` (None: unconstrained);
+    `session_id`: the session whose SWA host slot it continues (`deepserve.server.session`)."""
 
     protocol: Protocol
     request_id: str
@@ -84,6 +86,7 @@ class Prepared:
     constraint_field: str | None = None
     fork: Callable[[], tuple[dr.StreamProcessor, OutputUsage]] | None = None
     n: int = 1
+    session_id: str | None = None
 
     def sibling(self, index: int) -> Prepared:
         """Choice `index` of an `n` > 1 request: its own stream processor and usage, the same prompt, and
@@ -140,6 +143,7 @@ class RecipeCodec:
         if protocol is MESSAGES and body.get("max_tokens") is None:  # required by Anthropic's API and our document
             raise ApiError(400, "'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
         n = (body.get("n") or 1) if protocol is CHAT else 1  # validated: 1 to MAX_N; the rewrite drops it
+        session_id = session_of(protocol.name, body)
         raw, body = rewrite(protocol.name, raw, body)
         forced = forced_tools(protocol.name, body)
         request = _recipe(lambda: protocol.request_type(raw), protocol, body)
@@ -179,7 +183,7 @@ class RecipeCodec:
 
         processor, usage = fork()
         return Prepared(protocol, request_id, ids, params, conv.stream, processor, usage,
-                        constraint.field if constraint is not None else None, fork, n)
+                        constraint.field if constraint is not None else None, fork, n, session_id)
 
     def _max_tokens(self, conv: dr.ConversationRequest, protocol: Protocol, body: dict[str, Any],
                     num_prompt_tokens: int, max_model_len: int) -> int:
