@@ -409,16 +409,21 @@ def _build_front(config: EngineConfig, pm) -> EngineParts:
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.bind(f"tcp://{config.data_parallel_address}:{port}")
     processes = start_ranks(serve_rank, config, rank_contexts(config, port))
+    grammars = None
     try:
+        tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
+        # constrained requests are validated on the front's own compiler, then compiled again on their rank
+        grammars = _grammar_compiler(pm, config, RemoteModel(cfg), tokenizer)
         engine = DataParallelEngine(socket, config.data_parallel_size, routers[config.data_parallel_router](
             config.data_parallel_size), processes, vocab_size=cfg.vocab_size,
-            start_timeout=config.data_parallel_timeout)
+            start_timeout=config.data_parallel_timeout, grammars=grammars)
     except BaseException:
         for proc in processes:
             proc.kill()
         socket.close(linger=0)
+        if grammars is not None:
+            grammars.shutdown()
         raise
-    tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
     logger.info("deepserve: %s on %d data-parallel ranks%s, rank weights %s MiB", config.model,
                 config.data_parallel_size, " with expert parallelism" if config.enable_expert_parallel else "",
                 [round(b / 2**20, 1) for b in engine.weight_bytes])

@@ -3,6 +3,12 @@ several ranks. It speaks `EngineCore`'s calls (`add_request`, `abort`, `step`, `
 `snapshot`, `shutdown`) and forwards them over ZMQ (a ROUTER socket; msgspec messages, `messages.py`) to the
 rank processes, each with its own engine; a `Router` plugin picks each request's rank.
 
+Structured outputs: a constrained request's `GrammarSpec` travels inside its `SamplingParams` to its rank, whose
+engine compiles it on its own `GrammarCompiler` and masks as one process does. `grammars` is the front's own
+compiler, built as a rank's is (same backends, timeout, errors): the server's compile-before-admit and
+`LLM.generate` validate a spec on it, so an invalid one is refused here with one process's error before any
+rank sees it (vLLM's front validates the same way), and the front never waits on a rank for a compile.
+
 `step()` waits a little for the ranks' outputs and returns them. A rank that reports a failure, or whose
 process ends, makes `step()` raise `RankError` naming it, after every rank has been shut down (asked, then
 killed past `shutdown_timeout`), so a caller sees the error and no process is left behind.
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from deepserve.core.engine import EngineSnapshot
+from deepserve.core.grammar_compiler import GrammarCompiler
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 
@@ -65,11 +72,14 @@ class DataParallelEngine:
     elsewhere, `--headless`, are only reached through the socket)."""
 
     def __init__(self, socket: zmq.Socket, world_size: int, router: Router, processes: Sequence = (), *,
-                 vocab_size: int, start_timeout: float = 600.0, shutdown_timeout: float = 10.0) -> None:
+                 vocab_size: int, start_timeout: float = 600.0, shutdown_timeout: float = 10.0,
+                 grammars: GrammarCompiler | None = None) -> None:
+        """`grammars`: the compiler that validates constrained requests here (see the module docstring); None:
+        they are refused, as an `EngineCore` without one refuses them."""
         self.socket, self.world_size, self.router = socket, world_size, router
         self.processes = list(processes)
         self.vocab_size, self.shutdown_timeout = vocab_size, shutdown_timeout
-        self.grammars = None  # structured outputs compile on the ranks, which this front does not reach yet
+        self.grammars = grammars
         self._owner: dict[str, int] = {}  # unfinished request -> its rank
         self._tokens: dict[str, int] = {}
         self._assigned = [0] * world_size
@@ -98,8 +108,12 @@ class DataParallelEngine:
             raise ValueError("prompt is empty: it needs at least one token")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")
-        if params.structured_outputs is not None:
-            raise ValueError("structured outputs are not served with data_parallel_size > 1 yet")
+        spec = params.structured_outputs
+        if spec is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need a grammar backend, and this engine has none "
+                                 "(the model has no tokenizer.json, or no grammar backend plugin is installed)")
+            self.grammars.backend_name(spec)  # an unknown backend raises here, as EngineCore.add_request does
         loads = [RankLoad(r, self._assigned[r], self._assigned_tokens[r], s.num_requests_running,
                           s.num_requests_waiting, s.num_kv_pages_used / max(s.num_kv_pages_total, 1))
                  for r, s in enumerate(self.rank_snapshots)]
@@ -163,6 +177,8 @@ class DataParallelEngine:
         if self._closed:
             return
         self._closed = True
+        if self.grammars is not None:
+            self.grammars.shutdown()
         for rank in self._identity:
             try:
                 self._send_raw(rank, m.Shutdown())
