@@ -7,16 +7,18 @@ constrained request, through `LLM(data_parallel_size=2)` and through the HTTP se
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
 
 from deepserve import LLM, SamplingParams
 from deepserve.core.env import default_model_dir
+from deepserve.core.grammar_compiler import GrammarCompiler
 from deepserve.core.plugins import make_plugin_manager
-from deepserve.core.structured import GrammarError
+from deepserve.core.structured import GrammarBackend, GrammarError
 from deepserve.distributed.front import DataParallelEngine
-from deepserve.server import ServerConfig, create_app
+from deepserve.server import ENGINE, ServerConfig, create_app
 
 MODEL = str(default_model_dir())
 OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
@@ -83,8 +85,34 @@ def make_app(**engine):
     return create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False))
 
 
-async def answers(client) -> list:
-    """The bodies (status, message or error) of a json_schema chat, two forced tool calls and an invalid schema."""
+class StuckBackend(GrammarBackend):
+    """Compiles nothing until released: a compile past the timeout."""
+
+    name = "stuck"
+
+    def __init__(self, tokenizer, release: threading.Event) -> None:
+        self.release = release
+
+    def compile(self, spec):
+        self.release.wait(60)
+        return spec
+
+    def new_matcher(self, compiled):  # pragma: no cover - never reached: the request is refused first
+        raise AssertionError("a request whose compile timed out must not run")
+
+    def allocate_bitmask(self, num_rows):  # pragma: no cover
+        raise AssertionError("a request whose compile timed out must not run")
+
+
+async def answers(client, release: threading.Event) -> list:
+    """The bodies (status, message or error) of a json_schema chat, two forced tool calls, an invalid schema and
+    a compile past the timeout (the engine's compiler, the front's under data parallelism, given a stuck backend
+    and a 0.5 s timeout, as tests/test_server_structured.py does)."""
+    builtin = client.app[ENGINE].engine.grammars
+    client.app[ENGINE].engine.grammars = GrammarCompiler(
+        {**builtin.factories, "stuck": lambda tokenizer: StuckBackend(tokenizer, release)}, builtin.tokenizer,
+        builtin.default_backend, 0.5)
+    builtin.shutdown()
     bodies = [
         {"messages": ASK, "max_tokens": 80, "temperature": 0, "response_format": {
             "type": "json_schema", "json_schema": {"name": "pick", "schema": RECORD}}},
@@ -92,6 +120,7 @@ async def answers(client) -> list:
          "tool_choice": {"type": "function", "function": {"name": "add"}}},
         {"messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0, "tool_choice": "required"},
         {"messages": ASK, "max_tokens": 8, "structured_outputs": {"json": INVALID}},
+        {"messages": ASK, "max_tokens": 8, "structured_outputs": {"regex": "a+", "backend": "stuck"}},
     ]
     results = []
     for body in bodies:
@@ -107,13 +136,18 @@ async def answers(client) -> list:
 
 
 async def test_server_json_schema_and_forced_tool_calls_across_ranks(aiohttp_client):
-    want = await answers(await aiohttp_client(make_app()))
-    got = await answers(await aiohttp_client(make_app(data_parallel_size=2)))
+    release = threading.Event()
+    try:
+        want = await answers(await aiohttp_client(make_app()), release)
+        got = await answers(await aiohttp_client(make_app(data_parallel_size=2)), release)
+    finally:
+        release.set()
     assert got == want
-    schema_answer, named, required, invalid = got
+    schema_answer, named, required, invalid, late = got
     jsonschema.validate(json.loads(schema_answer[2]), RECORD)
     assert named[1] == "tool_calls" and [name for name, _ in named[3]] == ["add"]
     assert required[1] == "tool_calls" and required[3]
     for name, arguments in named[3] + required[3]:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     assert invalid[0] == 400 and invalid[1]["error"]["code"] == "invalid_structured_output", invalid
+    assert late[0] == 400 and late[1]["error"]["code"] == "grammar_compile_timeout", late
