@@ -1,11 +1,12 @@
 """Data-parallel attention with expert-parallel MoE, on CPU with gloo: two rank processes behind the front, on
 the embedded tiny model. Outputs (tokens and logprobs, greedy and seeded) equal one process's bit for bit,
-with redundant experts, a shuffled placement and EPLB reassignments in the middle of a run, with prefix caching
-and with speculative decoding; aborts reach the right rank; a killed rank ends in `RankError` and no rank
-process is left."""
+with redundant experts, a shuffled placement and EPLB reassignments in the middle of a run, with prefix caching,
+with speculative decoding and for a JSON-schema request; aborts reach the right rank; a killed rank ends in
+`RankError` and no rank process is left."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -79,6 +80,18 @@ def test_abort_reaches_the_rank_that_holds_the_request(ep2):
     assert finished["a"].outputs[0].finish_reason == "abort"
     assert len(finished["a"].outputs[0].token_ids) < 400
     assert finished["b"].outputs[0].finish_reason == "length" and len(finished["b"].outputs[0].token_ids) == 4
+
+
+def test_structured_outputs_in_lockstep_give_one_process_outputs(ep2):
+    """A JSON-schema request compiles and masks on its rank while the ranks step together (expert parallelism)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"], "properties": {
+        "n": {"type": "integer", "minimum": -99, "maximum": 99}, "ok": {"type": "boolean"}}}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
+    prompts = PROMPTS[:3]
+    outputs = ep2.generate(prompts, params, use_tqdm=False)
+    assert summary(outputs) == summary(LLM(**OPTIONS).generate(prompts, params, use_tqdm=False))
+    assert all(o.outputs[0].finish_reason == "stop" and set(json.loads(o.outputs[0].text)) == {"n", "ok"}
+               for o in outputs)
 
 
 def test_a_killed_rank_is_an_error_and_every_rank_stops():
