@@ -122,7 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
                           default_thinking_mode=thinking_default(args),
                           structured_outputs_backend=args.structured_outputs_backend,
                           grammar_compile_timeout=args.grammar_compile_timeout,
-                          default_max_tokens=args.default_max_tokens, engine_kwargs=engine_kwargs)
+                          default_max_tokens=args.default_max_tokens, stream_interval=args.stream_interval,
+                          engine_kwargs=engine_kwargs)
     run_server(config, args.host, args.port)
     return 0
 
@@ -223,6 +224,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="output limit of a chat or Responses request that sets none, lowered to the context "
                        "the prompt leaves (default: 4096)")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="output tokens per streamed chunk (SGLang's): the first token and the end are sent at "
+                       "once, the rest every N tokens; larger values cost the server less per token (default: 1)")
     serve.add_argument("--structured-outputs-backend", default=None,
                        help="grammar backend plugin for constrained requests that name none (default: llguidance)")
     serve.add_argument("--grammar-compile-timeout", type=float, default=None,

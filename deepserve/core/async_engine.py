@@ -6,7 +6,9 @@ request's outputs to the coroutine that asked for them.
   one callback), which hands each to its request's stream. Snapshots are cumulative, so a stream whose consumer
   has not read the previous one yet keeps only the newer (vLLM's output collector does the same): a consumer
   that falls behind the engine reads fewer, larger snapshots instead of a backlog of one per step, with the
-  same text and tokens in the end. The final output always comes on its own.
+  same text and tokens in the end. The final output always comes on its own. With a `stream_interval` of N
+  (SGLang's `--stream-interval`) the consumer wakes for the first output, then once N tokens have come since
+  what it read, and for the final output: one wake-up, one chunk per N tokens.
 - Cancelling a consumer (a client that disconnects) aborts its request: the abort is drained before the next
   step, so its pages are free within one step.
 This is the only module in `deepserve.core` that knows about asyncio.
@@ -56,31 +58,49 @@ class _Stream:
     """One request's outputs not yet read by its consumer (an event-loop object). An unfinished output put while
     the previous unfinished one is unread replaces it: each is the request's whole state so far. The final output
     and errors queue behind: a consumer that handles the last snapshot and the end apart (the server writes the
-    tokens, then an abort's error event) sees both as before."""
+    tokens, then an abort's error event) sees both as before; with an `interval` above 1 the final output replaces
+    an unread unfinished one instead (it holds every token, and one chunk fewer is the point). An unfinished
+    output is ready for the consumer when it is the first, or `interval` tokens past the last one read."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "interval", "num_read")
 
-    def __init__(self) -> None:
+    def __init__(self, interval: int = 1) -> None:
         self.items: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
+        self.interval = interval
+        self.num_read: int | None = None  # output tokens of the last output read (None: none read yet)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         items = self.items
-        if items and isinstance(item, RequestOutput) and not item.finished and isinstance(items[-1], RequestOutput):
+        if items and isinstance(item, RequestOutput) and (not item.finished or self.interval > 1) \
+                and isinstance(items[-1], RequestOutput):
             items[-1] = item  # (the unread one is unfinished: nothing follows a final output)
         else:
             items.append(item)
-        if self.waiter is not None and not self.waiter.done():
+        if self.waiter is not None and not self.waiter.done() and self._ready():
             self.waiter.set_result(None)
 
+    def _ready(self) -> bool:
+        items = self.items
+        if not items:
+            return False
+        item = items[0]
+        if len(items) > 1 or self.interval == 1 or self.num_read is None or not isinstance(item, RequestOutput) \
+                or item.finished:
+            return True
+        return len(item.outputs[0].token_ids) - self.num_read >= self.interval
+
     async def get(self) -> RequestOutput | BaseException:
-        while not self.items:
+        while not self._ready():
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
-        return self.items.popleft()
+        item = self.items.popleft()
+        if isinstance(item, RequestOutput):
+            self.num_read = len(item.outputs[0].token_ids)
+        return item
 
 
 class AsyncEngine:
@@ -143,12 +163,16 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
         prompt: str | None = None, cache_salt: str | None = None, views: bool = False,
-        session_id: str | None = None,
+        session_id: str | None = None, stream_interval: int = 1,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative snapshots) until it finishes. Closing or cancelling the
         iterator aborts the request. `views`: the snapshots' token ids and logprobs are read-only views
         (`outputs.Prefix`: index, slice, len) instead of copies of the whole output; `session_id`: the
-        conversation whose SWA host slot the request continues and then replaces (both `EngineCore.add_request`)."""
+        conversation whose SWA host slot the request continues and then replaces (both `EngineCore.add_request`).
+        `stream_interval`: after the first output, yield one only once that many tokens have come since the last
+        one yielded (the final output always comes)."""
+        if type(stream_interval) is not int or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         if self._thread is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if self._dead is not None:
@@ -158,7 +182,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        stream = self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = _Stream(stream_interval)
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, prompt, cache_salt, views,
                                     session_id)))
         arrived, first_token, last = time.perf_counter(), None, None

@@ -76,6 +76,9 @@ class SamplingParams:
     output must not contain as tokens: `update_from_tokenizer(encode)` turns them into `bad_words_token_ids`
     (each word with and without a leading space, as vLLM does), which the engine needs; a one-token word is
     never sampled, a longer one's last token is blocked where the output ends with the word's other tokens.
+
+    `detokenize=False` (vLLM's): the engine leaves the output's `text` empty, for a caller that decodes the
+    token ids itself (the server's chat routes: deepseek-recipe's stream processor does); stop strings need it.
     """
 
     n: int = 1
@@ -100,6 +103,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.n = _int_field("n", self.n, minimum=1)
@@ -134,7 +138,7 @@ class SamplingParams:
             self.logprobs = _int_field("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
@@ -159,6 +163,8 @@ class SamplingParams:
                     isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words):
                 raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {words!r}")
             self.bad_words_token_ids = [[operator.index(t) for t in w] for w in words] or None
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are found in the output's text")
 
     @staticmethod
     def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:

@@ -51,11 +51,13 @@ class RequestTracker:
                  final_only: bool = False, views: bool = False) -> None:
         """`final_only`: the engine reports this request only when it finishes; `views`: its outputs hold
         `Prefix` views of the tokens and logprobs instead of copies (`EngineCore.add_request`)."""
+        params = request.sampling_params
+        if not params.detokenize:  # the caller decodes the ids itself: no text, no per-token decode
+            detok = None
         self.request, self.prompt, self.seed, self.detok, self.stops = request, prompt, seed, detok, stops
         self.final_only, self.views = final_only, views
         self.prompt_ids = list(request.prompt_token_ids)  # every snapshot's prompt_token_ids: copied once
         self.num_seen = 0
-        params = request.sampling_params
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: dict[int, PositionLogprobs] = {}

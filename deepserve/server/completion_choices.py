@@ -93,14 +93,24 @@ _DONE = object()
 
 async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: SamplingParams, request_id: str,
                  ticket: Ticket, cache_salt: str | None,
-                 share_prompt: bool = True,
-                 session_id: str | None = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+                 share_prompt: bool = True, session_id: str | None = None,
+                 stream_interval: int = 1) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Every choice's outputs as they come. The first choice of each prompt is submitted in one pass of the
     event loop, its siblings (`n` > 1, when `share_prompt`) once it has its first output; leaving early (or an
     error) closes them all, which aborts what the engine has not finished. `session_id`: every choice continues
-    that session's SWA host slot (one prompt's choices; the last to finish keeps the slot)."""
+    that session's SWA host slot (one prompt's choices; the last to finish keeps the slot). `stream_interval`:
+    `AsyncEngine.generate`'s."""
+    if len(choices) == 1:  # the common case: the engine's stream itself, without a task and a queue per output
+        choice = choices[0]
+        ticket.start(request_id)  # no await from here to the engine's add: see `Ticket.start`
+        outs = engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=request_id,
+                               prompt=choice.text, cache_salt=cache_salt, views=True, session_id=session_id,
+                               stream_interval=stream_interval)
+        async with contextlib.aclosing(outs):
+            async for out in outs:
+                yield choice, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
-    one = len(choices) == 1
     firsts = {c.index - c.sibling: asyncio.Event() for c in choices if c.sibling == 0}
 
     async def pump(choice: Choice) -> None:
@@ -108,10 +118,11 @@ async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: Samplin
         try:
             if choice.sibling and share_prompt:
                 await firsts[choice.index - choice.sibling].wait()
-            engine_id = request_id if one else f"{request_id}-{choice.index}"
+            engine_id = f"{request_id}-{choice.index}"
             ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
             outs = engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=engine_id,
-                                   prompt=choice.text, cache_salt=cache_salt, views=True, session_id=session_id)
+                                   prompt=choice.text, cache_salt=cache_salt, views=True, session_id=session_id,
+                                   stream_interval=stream_interval)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     if first is not None:

@@ -27,7 +27,7 @@ from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
 from deepserve.server.sampling_options import PENALTY_FIELDS, penalty_fields
 from deepserve.server.session import session_of
-from deepserve.server.state import ENGINE, METRICS, MODEL, ModelInfo
+from deepserve.server.state import CONFIG, ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
     grammar_failure, response_format_constraint, single, to_spec
 
@@ -143,10 +143,14 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
     # siblings wait for their prompt's pages only where there are full pages to share
     share = n > 1 and params.prompt_logprobs is None and engine.engine.enable_prefix_caching \
         and max(len(ids) for _, ids in prompts) > engine.engine.page_size
+    # every chunk is `{**head, "choices": [delta], "usage": null?}`: the parts around the delta encoded once
+    before = json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": ['
+    after = "]" + (', "usage": null' if include_usage else "") + "}"
     sse, failed = None, None
     try:
         with engine_errors():
-            outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share, session_id=session_id)
+            outs = merged(engine, choices, params, head["id"], ticket, salt, share_prompt=share, session_id=session_id,
+                          stream_interval=request.app[CONFIG].stream_interval)
             async with contextlib.aclosing(outs):
                 async for choice, out in outs:
                     choice.seen(out)
@@ -157,9 +161,8 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
                         continue
                     if sse is None:
                         sse = await open_sse(request)
-                    chunk = {**head, "choices": [choice.delta(out, model, params)],
-                             **({"usage": None} if include_usage else {})}
-                    await sse.write(sse_message(json.dumps(chunk, ensure_ascii=False)))
+                    delta = json.dumps(choice.delta(out, model, params), ensure_ascii=False)
+                    await sse.write(sse_message(before + delta + after))
     except ApiError as error:
         _finish_timers(choices, failure_reason(error))
         raise

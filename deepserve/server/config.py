@@ -28,6 +28,8 @@ class ServerConfig:
     that name none) and `grammar_compile_timeout` (seconds a constraint may take to compile; past it the request
     gets 400) go to the engine when set; None keeps the engine's defaults (`llguidance`, 10 s). A chat or Responses
     request that sets no output limit gets `default_max_tokens`, lowered to the context its prompt leaves.
+    `stream_interval` (SGLang's `--stream-interval`): a request's handler reads its first output, then one each
+    time that many tokens have come, and its final output, so a stream sends one chunk per N tokens.
     """
 
     model: str
@@ -42,6 +44,7 @@ class ServerConfig:
     structured_outputs_backend: str | None = None
     grammar_compile_timeout: float | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    stream_interval: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got {timeout!r}")
         if type(self.default_max_tokens) is not int or self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
+        if type(self.stream_interval) is not int or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         for name in _ENGINE_OPTIONS:
             if getattr(self, name) is not None and name in self.engine_kwargs:
                 raise ValueError(f"{name} is given twice: as a server option and in engine_kwargs")

@@ -24,7 +24,7 @@ from deepserve.server.errors import ApiError
 from deepserve.server.generation import Translator, fail_stream
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.recipe import Prepared
-from deepserve.server.state import ENGINE, METRICS, MODEL
+from deepserve.server.state import CONFIG, ENGINE, METRICS, MODEL
 from deepserve.server.structured import client_of, compile_grammar
 
 _DONE = object()
@@ -73,7 +73,7 @@ async def _run(request: web.Request, siblings: list[Prepared], translators: list
             engine_id = f"{first.request_id}-{j}"
             ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
             outs = engine.generate(first.prompt_token_ids, siblings[j].params, request_id=engine_id, views=True,
-                                   session_id=first.session_id)
+                                   session_id=first.session_id, stream_interval=request.app[CONFIG].stream_interval)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     started.set()

@@ -26,7 +26,7 @@ from deepserve.server.errors import ERROR_TYPES, ApiError, error_body
 from deepserve.server.http import open_sse, sse_message
 from deepserve.server.metrics import RequestTimer
 from deepserve.server.recipe import RESPONSES, Prepared
-from deepserve.server.state import ENGINE, METRICS, MODEL
+from deepserve.server.state import CONFIG, ENGINE, METRICS, MODEL
 from deepserve.server.structured import client_of, compile_grammar, grammar_failure
 
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
@@ -105,7 +105,7 @@ async def _run(request: web.Request, prepared: Prepared,
     sse: web.StreamResponse | None = None
     accumulated = None
     stream = engine.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id, views=True,
-                             session_id=prepared.session_id)
+                             session_id=prepared.session_id, stream_interval=request.app[CONFIG].stream_interval)
     async with contextlib.aclosing(stream):
         try:
             with engine_errors():

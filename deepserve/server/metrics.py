@@ -58,6 +58,20 @@ class ServerMetrics:
         return RequestTimer(self)
 
 
+def _observe_many(histogram: Histogram, amount: float, count: int) -> None:
+    """`histogram.observe(amount)` `count` times, in one pass over the buckets (tokens that arrive together share
+    one inter-token gap; at 256 streams one `observe` per token was a tenth of the server's time)."""
+    if count == 1 or not hasattr(histogram, "_upper_bounds"):  # (prometheus_client's layout; else the plain way)
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    histogram._sum.inc(amount * count)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if amount <= bound:
+            histogram._buckets[i].inc(count)
+            return
+
+
 class RequestTimer:
     """One request's latencies: call `tokens(n)` when n new output tokens arrive, `finish(reason)` once."""
 
@@ -75,8 +89,8 @@ class RequestTimer:
             gaps, span = n - 1, 0.0  # tokens that arrived together with the first one
         else:
             gaps, span = n, now - self.last
-        for _ in range(gaps):
-            self.metrics.itl.observe(span / gaps)
+        if gaps:
+            _observe_many(self.metrics.itl, span / gaps, gaps)
         self.last = now
 
     def finish(self, reason: str) -> None:

@@ -242,14 +242,16 @@ def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[s
                      structured_outputs: GrammarSpec | None = None) -> SamplingParams:
     """The recipe's options plus what it does not carry: `top_k` on every protocol, `seed` on Responses and
     Messages (validated with the other routes' fields: `deepserve.server.validation`), and the penalties,
-    `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none)."""
+    `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none). `detokenize=False`: the stream processor
+    decodes the token ids itself, so the engine does not decode them a second time."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
     try:
         return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
                               top_p=1.0 if options.top_p is None else options.top_p,
                               top_k=0 if top_k is None else top_k, seed=seed, max_tokens=max_tokens,
-                              logprobs=logprobs, structured_outputs=structured_outputs, **penalty_fields(body))
+                              logprobs=logprobs, structured_outputs=structured_outputs, detokenize=False,
+                              **penalty_fields(body))
     except ValueError as exc:
         raise sampling_error(exc) from None
 
