@@ -66,6 +66,9 @@ class Translator:
         self.usage = prepared.usage
         self.reason = "stop"
         self.failed = False  # the response ended with the protocol's error event
+        # the processor's `finished`, read once after each push: the native call releases the GIL, and getting it
+        # back from the engine thread cost the event loop more than the call (twice per output at 256 streams)
+        self.ended = False
 
     def first(self, out: RequestOutput) -> list:
         usage = dr.PromptUsage(prompt_tokens=self.num_prompt_tokens, prompt_cache_hit_tokens=out.num_cached_tokens)
@@ -74,13 +77,14 @@ class Translator:
     def events(self, out: RequestOutput) -> list:
         completion, events = out.outputs[0], []
         end = _num_text_tokens(out, self.eos_token_ids)
-        if end > self.num_sent:
+        if end > self.num_sent and not self.ended:
             logprobs = _logprobs(completion.token_ids, completion.logprobs, self.num_sent, end, self.params.logprobs)
             events += self.processor.push(dr.InferenceChunk.tokens(completion.token_ids[self.num_sent:end], logprobs))
             self.usage.add(completion.token_ids[self.num_sent:end])
             self.timer.tokens(end - self.num_sent)
             self.num_sent = end
-        if out.finished and not self.processor.finished:
+            self.ended = self.processor.finished
+        if out.finished and not self.ended:
             if completion.finish_reason not in _FINISH:
                 failure = grammar_failure(completion, self.constraint_field)
                 if failure is not None:
@@ -90,12 +94,13 @@ class Translator:
             self.usage.add(completion.token_ids[end:], text=False)  # the final EOS
             events += self.processor.push(dr.InferenceChunk.finish(_FINISH[self.reason]))
             events += self.processor.finish()
+            self.ended = self.processor.finished
         return events
 
     @property
     def done(self) -> bool:
         """The processor has ended the response (maybe at a stop sequence, before the engine finished)."""
-        return self.processor.finished
+        return self.ended
 
 
 async def _run(request: web.Request, prepared: Prepared,
