@@ -4,6 +4,8 @@
     python bench/server_host.py --concurrency 256 --device-ms 5.75     # a device step as long as the H200's
     PYTHONPATH=/tmp/old python bench/server_host.py ...    # another tree's package
     python bench/server_host.py --baseline /tmp/old --repeats 3 ...   # both, alternately (before/after)
+    python bench/server_host.py --baseline /tmp/old --stream-interval 1,4 ...   # this tree at each interval too
+    python bench/server_host.py --route chat ...    # streamed /v1/chat/completions (deepseek-recipe) instead
 
 The server side is the real app (`deepserve.server.create_app`, run on uvloop as `deepserve serve` runs it) over
 an `EngineCore` whose executor returns every step's samples at once (bench/engine_host.py's `InstantExecutor`:
@@ -20,7 +22,11 @@ With a zero-cost executor every step is host work, so the share is the server's 
 hops from the engine thread to each stream) against the engine's own. On a GPU the engine's step overlaps the
 device's and the server's work competes with it for the GIL: `--device-ms 5.75` makes every step also wait that
 long without the GIL (the H200 decode graph's step at 256), so the share says whether the server keeps up with
-that device (a projection: this CPU is not the GPU host's).
+that device (a projection: this CPU is not the GPU host's). `--stream-interval` is the server's (`deepserve serve
+--stream-interval`): tokens per streamed chunk; with `--baseline` the old tree runs at 1 (it may not have the
+option) and this one at each interval listed. `--route chat` streams `/v1/chat/completions` instead: a user
+message of about `prompt-len` tokens of text, `max_tokens` each (the instant executor never samples EOS, so every
+request makes them all), through deepseek-recipe's stream processor.
 """
 
 from __future__ import annotations
@@ -109,7 +115,8 @@ def engine_alone(concurrency: int, args, views: bool) -> tuple[float, float]:
     return tokens / seconds, tokens / cpu
 
 
-def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, switch_interval: float) -> None:
+def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, switch_interval: float,
+          stream_interval: int = 1) -> None:
     """The child: the real app on uvloop over the instant engine, until SIGTERM."""
     import uvloop
 
@@ -127,7 +134,8 @@ def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, swi
         wrapped.llm = SimpleNamespace(model=SimpleNamespace(cfg=cfg), tokenizer=tokenizer, max_model_len=max_model_len)
         return wrapped
 
-    config = ServerConfig(model=str(MODEL), max_waiting_requests=4 * concurrency)
+    extra = {"stream_interval": stream_interval} if stream_interval != 1 else {}  # (a tree without the option)
+    config = ServerConfig(model=str(MODEL), max_waiting_requests=4 * concurrency, **extra)
     web.run_app(create_app(config, engine_factory=factory), host="127.0.0.1", port=port,
                 loop=uvloop.new_event_loop(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
                 print=None)
@@ -135,9 +143,16 @@ def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, swi
 
 async def _client(session, ids_list: list[list[int]], args, counts: list[int]) -> None:
     for ids in ids_list:
-        body = {"model": MODEL.name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        async with session.post("/v1/completions", json=body) as r:
+        if args.route == "chat":  # a third of the ids as words of text: a prompt of about as many tokens
+            text = " ".join(map(str, ids[: len(ids) // 3]))
+            body = {"model": MODEL.name, "messages": [{"role": "user", "content": text}],
+                    "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+        else:
+            body = {"model": MODEL.name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post("/v1/chat/completions" if args.route == "chat" else "/v1/completions",
+                                json=body) as r:
             if r.status != 200:
                 raise SystemExit(f"the server answered {r.status}: {await r.text()}")
             tail = b""
@@ -171,7 +186,8 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
     max_model_len = args.prompt_len + args.max_tokens + PAGE
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--concurrency", str(concurrency),
                              "--max-model-len", str(max_model_len), "--device-ms", str(args.device_ms),
-                             "--switch-interval", str(args.switch_interval)],
+                             "--switch-interval", str(args.switch_interval),
+                             "--stream-interval", str(args.stream_interval)],
                             env=os.environ.copy())
     try:
         connector = aiohttp.TCPConnector(limit=0)
@@ -198,27 +214,32 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
 def compare(args) -> None:
     import tempfile
 
-    trees = {"baseline": str(args.baseline.resolve()), "current": ""}
-    res = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "baseline": trees["baseline"],
+    intervals = [int(i) for i in str(args.stream_interval).split(",")]
+    trees = {"baseline": (str(args.baseline.resolve()), 1)}
+    for interval in intervals:
+        trees["current" if interval == 1 else f"current_stream_interval_{interval}"] = ("", interval)
+    res = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "baseline": trees["baseline"][0],
+           "stream_intervals": intervals, "route": args.route,
            "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds, "repeats": args.repeats,
            "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
            "tokens_per_s": {}}
     for c in args.concurrency.split(","):
-        runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
         for _ in range(args.repeats):
-            for name, tree in trees.items():
+            for name, (tree, interval) in trees.items():
                 with tempfile.NamedTemporaryFile(suffix=".json") as f:
                     env = {**os.environ, "PYTHONPATH": tree} if tree else \
                         {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                     subprocess.run([sys.executable, __file__, "--concurrency", c, "--max-tokens", str(args.max_tokens),
                                     "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds),
                                     "--repeats", "1", "--device-ms", str(args.device_ms),
-                                    "--switch-interval", str(args.switch_interval), "--out", f.name],
+                                    "--switch-interval", str(args.switch_interval),
+                                    "--stream-interval", str(interval), "--route", args.route, "--out", f.name],
                                    env=env, check=True, stdout=subprocess.DEVNULL)
                     runs[name].append(json.loads(Path(f.name).read_text())["tokens_per_s"][c])
         row = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
         res["tokens_per_s"][c] = row
-        print(f"concurrency {int(c):4d}: " + "; ".join(
+        print(f"concurrency {int(c):4d}: " + "\n    ".join(
             f"{name}: engine {r['engine_final_only']:7.0f} tok/s, server {r['server']:7.0f} = "
             f"{100 * r['server_share_of_engine']:5.1f}% ({100 * r['server_share_of_engine_cpu']:5.1f}% per CPU s)"
             for name, r in row.items()), flush=True)
@@ -237,6 +258,10 @@ def main() -> None:
                     help="a device step's milliseconds, slept by the executor's thread (0: none, pure host work)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="the server process's sys.setswitchinterval seconds (0: Python's default, 5 ms)")
+    ap.add_argument("--route", choices=["completions", "chat"], default="completions",
+                    help="the streamed route the clients call")
+    ap.add_argument("--stream-interval", default="1",
+                    help="the server's tokens per streamed chunk; with --baseline a list, e.g. 1,4")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package: each concurrency is measured `repeats` times with it and "
                          "with this one, alternately, in child processes (medians of each)")
@@ -245,7 +270,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
-        serve(args.serve, int(args.concurrency), args.max_model_len, args.device_ms, args.switch_interval)
+        serve(args.serve, int(args.concurrency), args.max_model_len, args.device_ms, args.switch_interval,
+              int(args.stream_interval))
         return
     if args.baseline is not None:
         compare(args)
@@ -255,7 +281,8 @@ def main() -> None:
     res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent), "cpus": os.cpu_count(),
            "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds,
            "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
-           "repeats": args.repeats, "tokens_per_s": {}}
+           "stream_interval": int(args.stream_interval), "route": args.route, "repeats": args.repeats,
+           "tokens_per_s": {}}
     for c in map(int, args.concurrency.split(",")):
         runs = {"engine_final_only": [], "engine_streamed": [], "server": []}
         for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all three alike
