@@ -16,9 +16,10 @@ from deepserve import LLM, SamplingParams
 from deepserve.core.env import default_model_dir
 from deepserve.core.grammar_compiler import GrammarCompiler
 from deepserve.core.plugins import make_plugin_manager
-from deepserve.core.structured import GrammarBackend, GrammarError
+from deepserve.core.structured import GrammarError
 from deepserve.distributed.front import DataParallelEngine
 from deepserve.server import ENGINE, ServerConfig, create_app
+from test_server_structured import SlowBackend  # compiles nothing until released: past the timeout
 
 MODEL = str(default_model_dir())
 OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
@@ -85,32 +86,13 @@ def make_app(**engine):
     return create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False))
 
 
-class StuckBackend(GrammarBackend):
-    """Compiles nothing until released: a compile past the timeout."""
-
-    name = "stuck"
-
-    def __init__(self, tokenizer, release: threading.Event) -> None:
-        self.release = release
-
-    def compile(self, spec):
-        self.release.wait(60)
-        return spec
-
-    def new_matcher(self, compiled):  # pragma: no cover - never reached: the request is refused first
-        raise AssertionError("a request whose compile timed out must not run")
-
-    def allocate_bitmask(self, num_rows):  # pragma: no cover
-        raise AssertionError("a request whose compile timed out must not run")
-
-
 async def answers(client, release: threading.Event) -> list:
     """The bodies (status, message or error) of a json_schema chat, two forced tool calls, an invalid schema and
     a compile past the timeout (the engine's compiler, the front's under data parallelism, given a stuck backend
     and a 0.5 s timeout, as tests/test_server_structured.py does)."""
     builtin = client.app[ENGINE].engine.grammars
     client.app[ENGINE].engine.grammars = GrammarCompiler(
-        {**builtin.factories, "stuck": lambda tokenizer: StuckBackend(tokenizer, release)}, builtin.tokenizer,
+        {**builtin.factories, "stuck": lambda tokenizer: SlowBackend(tokenizer, release)}, builtin.tokenizer,
         builtin.default_backend, 0.5)
     builtin.shutdown()
     bodies = [

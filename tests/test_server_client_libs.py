@@ -28,15 +28,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
-MODEL = "tiny"
-KEY = "sk-local"  # the clients insist on a key; the server takes none
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],
-    "additionalProperties": False}
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast for a city",
-                                         "parameters": WEATHER}}
-ASK = "What is the weather in Paris for the next 3 days?"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+# the audit's model name, key (the clients insist on one; the server takes none), tool, its schema and the question
+from client_audit import ASK, KEY, MC, MODEL, TOOL, WEATHER, write_tasks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +171,6 @@ def test_anthropic_sdk_forced_tool_use(server):
 
 
 # -- lm-eval ---------------------------------------------------------------------------------------------------------
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from client_audit import MC, write_tasks  # noqa: E402  the audit's lm-eval task directory, one definition for both
 
 
 def test_lm_eval_local_completions_runs_loglikelihood_and_generate_until_tasks(server, tmp_path):
