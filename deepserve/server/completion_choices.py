@@ -100,12 +100,15 @@ async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: Samplin
     error) closes them all, which aborts what the engine has not finished. `session_id`: every choice continues
     that session's SWA host slot (one prompt's choices; the last to finish keeps the slot). `stream_interval`:
     `AsyncEngine.generate`'s."""
-    if len(choices) == 1:  # the common case: the engine's stream itself, without a task and a queue per output
-        choice = choices[0]
-        ticket.start(request_id)  # no await from here to the engine's add: see `Ticket.start`
-        outs = engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=request_id,
+    def stream(choice: Choice, engine_id: str) -> AsyncIterator[RequestOutput]:
+        ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
+        return engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=engine_id,
                                prompt=choice.text, cache_salt=cache_salt, views=True, session_id=session_id,
                                stream_interval=stream_interval)
+
+    if len(choices) == 1:  # the common case: the engine's stream itself, without a task and a queue per output
+        choice = choices[0]
+        outs = stream(choice, request_id)
         async with contextlib.aclosing(outs):
             async for out in outs:
                 yield choice, out
@@ -118,11 +121,7 @@ async def merged(engine: AsyncEngine, choices: Sequence[Choice], params: Samplin
         try:
             if choice.sibling and share_prompt:
                 await firsts[choice.index - choice.sibling].wait()
-            engine_id = f"{request_id}-{choice.index}"
-            ticket.start(engine_id)  # no await from here to the engine's add: see `Ticket.start`
-            outs = engine.generate(choice.ids, sibling_params(params, choice.sibling), request_id=engine_id,
-                                   prompt=choice.text, cache_salt=cache_salt, views=True, session_id=session_id,
-                                   stream_interval=stream_interval)
+            outs = stream(choice, f"{request_id}-{choice.index}")
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     if first is not None:
