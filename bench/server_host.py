@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -162,27 +161,15 @@ async def _client(session, ids_list: list[list[int]], args, counts: list[int]) -
         counts.append(json.loads(usage_line)["usage"]["completion_tokens"])
 
 
-async def _wait_up(session, proc: subprocess.Popen) -> None:
-    import aiohttp
-
-    while proc.poll() is None:
-        try:
-            if (await session.get("/health")).status == 200:
-                return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.1)
-    raise SystemExit(f"the server exited with {proc.returncode}")
-
-
 async def through_server(concurrency: int, args) -> tuple[float, float]:
     """(tokens/s, tokens per CPU second of the server process) of `concurrency` streaming clients, `rounds`
     requests each, through a fresh server."""
     import aiohttp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from server_event_loop import free_port, wait_healthy
+
+    port = free_port()
     max_model_len = args.prompt_len + args.max_tokens + PAGE
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--concurrency", str(concurrency),
                              "--max-model-len", str(max_model_len), "--device-ms", str(args.device_ms),
@@ -193,7 +180,7 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as session:
-            await _wait_up(session, proc)
+            await wait_healthy(session, proc)
             vocab = json.loads((MODEL / "config.json").read_text())["vocab_size"]
             per_client = [[] for _ in range(concurrency)]
             for r in range(args.rounds):  # the same prompts as the engine alone gets
