@@ -87,12 +87,16 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
+    from deepserve.model.kv_precision import use_kv_cache_dtype
     from deepserve.model.registry import checkpoint_model_type
     from deepserve.model.runner import ModelRunner
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
     if checkpoint_model_type(config.model) == "deepseek_v41":
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is built for DeepSeek-V4 checkpoints; a V4.1 "
+                             "checkpoint's cache keeps the model dtype (kv_cache_dtype='auto')")
         return _build_v41(config, pm)
     if config.distributed and rank is None:
         return _build_front(config, pm)
@@ -105,6 +109,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
         model = load_expert_parallel_model(config.model, backend, config.dtype, placement, rank.rank)
     else:
         model = load_model(config.model, backend, config.dtype, quantization=config.quantization)
+    use_kv_cache_dtype(model, config.kv_cache_dtype)  # the rounding of the KV rows (docs/quantization.md)
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
@@ -122,7 +127,9 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     # the scratch region holds a step's new rows, so that prompt chunks take the batched path as well
     cache = PagedKVCache(model, num_pages, block_size, max_num_seqs, owners=owners,
                          max_step_tokens=max(config.max_num_batched_tokens, 16 * max_num_seqs))
-    logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_pages, block_size, num_pages * block_size)
+    logger.info("KV cache: %d pages of %d tokens (%d tokens), kv_cache_dtype %s (%d bytes a page as allocated, %d "
+                "in the stored form)", num_pages, block_size, num_pages * block_size, config.kv_cache_dtype, page_bytes,
+                bytes_per_page(model, block_size, model.lm_head.weight.dtype, owners, model.kv_precision))
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
     planner = proposer.planner if proposer is not None else None
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -342,7 +349,9 @@ def kv_namespace(config: EngineConfig, model, page_size: int, pool_bytes: dict[s
         digest.update(path.name.encode() + size.to_bytes(8, "little") + head + tail)
     layout = hashlib.sha256(repr(sorted(pool_bytes.items())).encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in root.name) or "model"
-    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    # the precision of the values the pages hold (their storage width is in the layout's bytes per pool)
+    dtype = {"fp8": "fp8_e4m3", "bf16": "bfloat16"}.get(config.kv_cache_dtype,
+                                                       str(model.lm_head.weight.dtype).removeprefix("torch."))
     return StoreNamespace(name, digest.hexdigest()[:16], f"v4-paged-1-p{page_size}-{layout}",
                           dtype).key
 

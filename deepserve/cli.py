@@ -18,7 +18,8 @@ def _generate(args: argparse.Namespace) -> int:
     from deepserve.core.config import SpeculativeConfig
 
     llm = LLM(args.model, dtype=args.dtype, accelerator=args.accelerator, max_model_len=args.max_model_len,
-              speculative_config=SpeculativeConfig.parse(args.speculative_config), quantization=args.quantization)
+              speculative_config=SpeculativeConfig.parse(args.speculative_config), quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop or None)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
@@ -48,7 +49,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                          gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                         enforce_eager=args.enforce_eager, quantization=args.quantization)
+                         enforce_eager=args.enforce_eager, quantization=args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype)
     if args.cuda_graph_sizes is not None:
         engine_kwargs["cuda_graph_sizes"] = args.cuda_graph_sizes
     if args.batch_invariant:  # else DEEPSERVE_BATCH_INVARIANT, else each backend's default
@@ -214,6 +216,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--quantization", "-q", default="auto", choices=["auto", "fp8", "none"],
                        help="auto: weights stay FP8/FP4 as the checkpoint's quantization_config stores them; fp8: "
                        "DeepSeek's FP8 dense + FP4 experts (a bf16 checkpoint is quantized at load); none: bf16")
+    serve.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                       help="auto: the KV cache at the model dtype; fp8: DeepSeek's reference precision (FP8 "
+                       "non-RoPE dims with power-of-two scales per 64, bf16 RoPE dims, FP4 indexer keys)")
     serve.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--thinking", choices=["on", "off"], default=None,
@@ -267,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantization", "-q", default="auto", choices=["auto", "fp8", "none"],
                        help="auto: weights stay FP8/FP4 as the checkpoint's quantization_config stores them; fp8: "
                        "DeepSeek's FP8 dense + FP4 experts (a bf16 checkpoint is quantized at load); none: bf16")
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                       help="auto: the KV cache at the model dtype; fp8: DeepSeek's reference precision (FP8 "
+                       "non-RoPE dims with power-of-two scales per 64, bf16 RoPE dims, FP4 indexer keys)")
     gen.add_argument("--accelerator", default="auto", help="auto, cpu, nvidia, ascend or a plugin's backend")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -324,6 +324,8 @@ def _rope_configs(d: dict[str, Any], rope_dim: int) -> tuple[RopeConfig, RopeCon
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: `quantization` (vLLM's flag): the checkpoint's quantization_config, DeepSeek's FP8 / FP4, or dequantized
 QUANTIZATIONS = ("auto", "fp8", "none")
+#: `kv_cache_dtype` (vLLM's flag): the model dtype, bf16, or DeepSeek's FP8 KV rows with FP4 indexer keys
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +387,9 @@ class EngineConfig:
       N+1 while N runs).
     - KV cache: `block_size` (tokens per page, a multiple of 128), `enable_prefix_caching`, `kv_cache_bytes`
       (else `gpu_memory_utilization` of the device's memory minus the weights on a GPU, 512 MiB on CPU).
+      `kv_cache_dtype` (vLLM's flag; docs/quantization.md): `auto` the model dtype, `bf16`, or `fp8` (DeepSeek's
+      reference precision: FP8 e4m3 non-RoPE dims with a power-of-two scale per 64, bf16 RoPE dims, FP4 indexer
+      keys; the rows are rounded so today, stored at the model dtype).
     - Cache tiers below the GPU pages (docs/cache.md): `host_cache_bytes` (a host-memory LRU of blocks),
       `kv_store` (a block store by URI: `dir:///mnt/3fs/kv`, `redis://host:6379/0`, `ec:10+2:dir:///root`),
       `kv_store_deadline` (seconds a store call may take; past it, a miss), `kv_store_ttl_class` (`chat` or
@@ -433,6 +438,7 @@ class EngineConfig:
     block_size: int = 256
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     host_cache_bytes: int | None = None
     kv_store: str | None = None
@@ -478,6 +484,8 @@ class EngineConfig:
         if self.quantization == "fp8" and self.enable_expert_parallel:
             raise ValueError("quantization='fp8' is not supported with enable_expert_parallel: the expert-parallel "
                              "ranks hold their experts dequantized (quantization 'auto' or 'none')")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.accelerator, str) or not self.accelerator:
             raise ValueError(f"accelerator must be a non-empty string, got {self.accelerator!r}")
         self.accelerator = self.accelerator.lower()

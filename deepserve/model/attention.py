@@ -17,6 +17,7 @@ from deepserve.core.interfaces import Backend
 
 from .common import NormWeight, linear
 from .compressor import Compressor
+from .kv_precision import KVPrecision
 from .layouts import LayerLayout
 from .state import LayerStateSpec
 
@@ -27,6 +28,9 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    #: how a token's kv row is rounded on its way into the window and the cache (`kv_precision.use_kv_cache_dtype`)
+    kv_precision = KVPrecision()
+
     def __init__(self, cfg: ModelConfig, backend: Backend, layer_type: str):
         super().__init__()
         self.backend, self.cfg, self.layer_type = backend, cfg, layer_type
@@ -78,6 +82,7 @@ class Attention(nn.Module):
             qb = self.q_b_proj(qr)
         q, kv = b.qk_norm_rope(qb.view(T, self.num_heads, self.head_dim), self.kv_proj(x), self.kv_norm.weight, eps,
                                positions, self.inv_freq)
+        kv = self.kv_precision.round_kv(kv)  # as the cache keeps it: this token attends to its rounded row too
         compressed = self.compressor(x, qr, layout) if self.compressor is not None else None
         pool, indices = layout.keys(kv, compressed)
         # the attention output, its rotary dims turned back (V = K carries them)

@@ -19,12 +19,16 @@ from deepserve.core.config import CSA, ModelConfig
 from deepserve.core.interfaces import Backend, VisibleRows
 
 from .common import NormWeight, linear
+from .kv_precision import KVPrecision
 from .layouts import LayerLayout
 from .state import StreamSpec
 
 
 class _Pooler(nn.Module):
     """Projection, position bias and softmax pooling shared by the main compressors and the indexer."""
+
+    #: how the rows are rounded on their way into the cache (`kv_precision.use_kv_cache_dtype`)
+    kv_precision = KVPrecision()
 
     def __init__(self, cfg: ModelConfig, backend: Backend, ratio: int, dim: int, overlap: bool, inv_freq: torch.Tensor):
         super().__init__()
@@ -49,10 +53,15 @@ class _Pooler(nn.Module):
 
     def rows(self, kv: torch.Tensor, gate: torch.Tensor, first_row: torch.Tensor) -> torch.Tensor:
         """The rows of closed blocks (their slots' projections [B, slots, dim]): a per-channel softmax of the gates
-        over the slots weights the kv; then RMSNorm, and RoPE at each block's first position (row * ratio)."""
+        over the slots weights the kv; then RMSNorm, RoPE at each block's first position (row * ratio), and the
+        cache's rounding (`stored`)."""
         pooled = self.backend.softmax_pool(kv, gate)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        return self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True)
+        return self.stored(self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True))
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """Compressed KV rows as the cache keeps them."""
+        return self.kv_precision.round_kv(rows)
 
 
 class Indexer(_Pooler):
@@ -67,6 +76,10 @@ class Indexer(_Pooler):
         self.scorer.weights_proj = linear(backend, cfg.hidden_size, cfg.index_n_heads)
         self.weight_scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
 
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """Indexer keys as the cache keeps them (fp8 mode: Hadamard-turned, FP4-rounded)."""
+        return self.kv_precision.round_index_keys(rows)
+
     def select(self, x, qr, layout: LayerLayout) -> torch.Tensor | VisibleRows:
         """Top-k compressed rows per query, as row numbers within the query's own sequence (-1 = none); or, where
         the layout knows every row is chosen (`index_scored` false), all of them, with nothing computed."""
@@ -74,6 +87,7 @@ class Indexer(_Pooler):
             return layout.all_visible(self, "indexer")
         q = self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.dim)
         q = self.backend.apply_rope(q, layout.positions, self.inv_freq, inplace=True)
+        q = self.kv_precision.rotate_index_queries(q)  # into the keys' frame (fp8 mode turns them): q . k unchanged
         weights = self.scorer.weights_proj(x).float() * self.weight_scale
         return layout.index_topk(self, q, weights)
 

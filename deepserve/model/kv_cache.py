@@ -32,6 +32,7 @@ import torch
 
 from .batch import to_device
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .kv_precision import KVPrecision
 from .state import AttentionState, CompressorState, LayerStateSpec, SequenceState, StreamSpec, WindowRing
 
 logger = logging.getLogger(__name__)
@@ -154,14 +155,25 @@ def owned_specs(model: DeepseekV4ForCausalLM, owners: Sequence[str] | None) -> d
 
 
 def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype,
-                   owners: Sequence[str] | None = None) -> int:
-    """Device bytes one page costs: every allocated layer's rows for P tokens plus the page's boundary snapshot."""
+                   owners: Sequence[str] | None = None, precision: KVPrecision | None = None) -> int:
+    """Device bytes one page costs: every allocated layer's rows for P tokens plus the page's boundary snapshot,
+    with the rows at `dtype` (what `PagedKVCache` allocates); or, given a `precision`, in that precision's stored
+    form (`KVPrecision.kv_row_bytes` / `index_key_bytes`: FP8 KV rows, FP4 indexer keys)."""
+    specs = [spec for owned in owned_specs(model, owners).values() for spec in owned]
+    return specs_bytes_per_page(specs, page_size, dtype, precision)
+
+
+def specs_bytes_per_page(specs: Sequence[LayerStateSpec], page_size: int, dtype: torch.dtype,
+                         precision: KVPrecision | None = None) -> int:
+    """`bytes_per_page` of the layers `specs` (the CSA overlap snapshot stays fp32 in every precision)."""
     item = torch.tensor([], dtype=dtype).element_size()
+    precision = precision or KVPrecision()  # "auto": the rows at `dtype`
     total = 0
-    for spec in (spec for specs in owned_specs(model, owners).values() for spec in specs):
-        total += spec.window * spec.width * item
+    for spec in specs:
+        total += spec.window * precision.kv_row_bytes(spec.width, item)
         for s in spec.streams():
-            total += (page_size // s.ratio) * s.dim * item + (2 * s.ratio * s.dim * 4 if s.overlap else 0)
+            row = precision.index_key_bytes(s.dim, item) if s is spec.indexer else precision.kv_row_bytes(s.dim, item)
+            total += (page_size // s.ratio) * row + (2 * s.ratio * s.dim * 4 if s.overlap else 0)
     return total
 
 

@@ -103,7 +103,9 @@ def emit_static(pooler, kv, gate, positions, index: PagedIndex, pools, pad_slot:
     The same arithmetic row by row as the paged layout, so the same bits where a block closes."""
     m = pooler.ratio
     slot, tables = index.slot[:, 0], index.tables
-    if pooler.backend.compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, pools.open_kv,
+    # the fused kernel writes rows at the model dtype: a rounded KV cache (`kv_cache_dtype`) takes the ops below
+    fused = pooler.kv_precision.kv_cache_dtype == "auto"
+    if fused and pooler.backend.compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, pools.open_kv,
                                       pools.open_gate, pools.prev_kv if pooler.overlap else None,
                                       pools.prev_gate if pooler.overlap else None, pools.rows,
                                       pooler.kv_norm.weight, pooler.inv_freq, pooler.eps):
