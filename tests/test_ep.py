@@ -24,6 +24,11 @@ from deepserve.model.moe import combine_in_expert_order, expert_rows
 from test_loader import to_official
 
 MODEL = Path(default_model_dir())
+#: the embedded model's MoE sites: one per decoder layer, then one per MTP block (v1 has 6 + 1, v2 8 + 1)
+_CONFIG = json.loads((MODEL / "config.json").read_text())
+NUM_DECODER_SITES = _CONFIG["num_hidden_layers"]
+NUM_SITES = NUM_DECODER_SITES + _CONFIG.get("num_nextn_predict_layers", 0)
+NUM_HASH_SITES = _CONFIG.get("num_hash_layers", 0)
 
 
 # -- the placement table ----------------------------------------------------------------------------------------
@@ -129,7 +134,8 @@ def test_expert_parallel_model_on_one_rank_gives_the_single_process_logits(one_r
 
     backend = ReferenceBackend("cpu")
     reference = load_model(MODEL, backend, "float32", progress=False)
-    placement = ExpertPlacement.from_phy2log([[7, 6, 5, 4, 3, 2, 1, 0, 2, 5]] * 7, num_logical=8, world_size=1)
+    placement = ExpertPlacement.from_phy2log([[7, 6, 5, 4, 3, 2, 1, 0, 2, 5]] * NUM_SITES, num_logical=8,
+                                             world_size=1)
     model = load_expert_parallel_model(MODEL, backend, "float32", placement, rank=0)
     transport = collect_registrations(make_plugin_manager(False), "deepserve_register_expert_transports")[
         "all_to_all"](one_rank_group, placement, rank_experts(model, backend))
@@ -138,7 +144,7 @@ def test_expert_parallel_model_on_one_rank_gives_the_single_process_logits(one_r
     torch.manual_seed(1)
     x = torch.randn(5, model.cfg.hidden_size)
     token_ids = torch.randint(0, model.cfg.vocab_size, (5,))
-    for site in (0, 3, 6):  # a hash layer, a routed one, the MTP block's
+    for site in (0, NUM_HASH_SITES, NUM_SITES - 1):  # a hash layer, the first routed one, the MTP block's
         got = moe_sites(model)[site](x, token_ids)
         want = moe_sites(reference)[site](x, token_ids)
         assert torch.equal(got, want), site
@@ -191,10 +197,11 @@ def test_a_placement_file_for_the_decoder_layers_gets_static_mtp_rows(tmp_path):
     from deepserve.build import expert_placement
 
     table = tmp_path / "phy2log.json"
-    table.write_text(json.dumps([[1, 0, 3, 2, 5, 4, 7, 6]] * 6))
+    table.write_text(json.dumps([[1, 0, 3, 2, 5, 4, 7, 6]] * NUM_DECODER_SITES))
     p = expert_placement(EngineConfig(model=str(MODEL), data_parallel_size=2, enable_expert_parallel=True,
                                       expert_placement=str(table)), 2)
-    assert p.num_sites == 7 and p.local_experts(0, 1) == [5, 4, 7, 6] and p.local_experts(6, 0) == [0, 1, 2, 3]
+    assert p.num_sites == NUM_SITES and p.local_experts(0, 1) == [5, 4, 7, 6]
+    assert p.local_experts(NUM_SITES - 1, 0) == [0, 1, 2, 3]  # the MTP block's site: the static placement
 
 
 def test_the_transport_and_router_hooks_register_the_built_ins():
