@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .config import V41Config
-from .numerics import (fp4_fake_quant, fp8_fake_quant, linear, rms_norm, rope_inv_freq, rope_table, rope_tail,
-                       sparse_attention, topk_low_ties)
+from .numerics import (fp4_fake_quant, fp8_fake_quant, linear, per_row, rms_norm, rope_inv_freq, rope_table,
+                       rope_tail, sparse_attention, topk_low_ties)
 from .state import LayerState, V41SequenceState
 
 
@@ -100,7 +100,10 @@ class Attention(nn.Module):
 
     # -- the window -----------------------------------------------------------------------------------------
     def _keys(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        kv = rms_norm(linear(x, self.wkv), self.kv_norm, self.cfg.norm_eps)
+        return self._keys_from(linear(x, self.wkv), rot)
+
+    def _keys_from(self, kv_lin: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        kv = rms_norm(kv_lin, self.kv_norm, self.cfg.norm_eps)
         return fp8_fake_quant(rope_tail(kv, rot, self.rd))
 
     def _window(self, kv: torch.Tensor, start: int, st: LayerState, step: bool) -> torch.Tensor:
@@ -117,12 +120,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, st: LayerState, seq: V41SequenceState, shared: Shared):
         """x [S, D] bf16 (attn-normed) at positions start.. -> [S, D] bf16."""
+        return self.project_out(self.attend(x, *self.project_in(x), start, st, seq, shared))
+
+    def project_in(self, x: torch.Tensor, apart: bool = False):
+        """The projections that do not depend on position or state: (q latent normed [S, q_lora], its query
+        projection [S, heads * hd], the window key projection [S, hd]). `apart`: the rows are different
+        sequences' decode tokens (`numerics.per_row` keeps each row's bits those of its own call)."""
+        eps = self.cfg.norm_eps
+        qa = linear(x, self.wq_a)  # block-scaled: a row's result does not depend on the rows beside it
+        qr = per_row(lambda a: rms_norm(a, self.q_norm, eps), qa) if apart else rms_norm(qa, self.q_norm, eps)
+        return qr, linear(qr, self.wq_b), linear(x, self.wkv)
+
+    def attend(self, x, qr, q_lin, kv_lin, start: int, st: LayerState, seq: V41SequenceState, shared: Shared):
+        """One sequence's attention over its state from `project_in`'s outputs; [S, heads, hd] before the
+        output projection (RoPE undone)."""
         s = x.shape[0]
         rot = rope_table(self.inv_freq, torch.arange(start, start + s))
-        qr = rms_norm(linear(x, self.wq_a), self.q_norm, self.cfg.norm_eps)
-        q = rope_tail(linear(qr, self.wq_b).unflatten(-1, (self.heads, self.hd)), rot, self.rd)
+        q = rope_tail(q_lin.unflatten(-1, (self.heads, self.hd)), rot, self.rd)
         step = start > 0 and s == 1 and not shared.prompt  # a decode step: the ring alone, as the reference
-        kv = self._window(self._keys(x, rot), start, st, step)
+        kv = self._window(self._keys_from(kv_lin, rot), start, st, step)
         columns = window_columns if start == 0 or step else chunk_window_columns
         cols = columns(self.cfg.window_size, start, s, x.device).expand(s, -1)
         if self.ratio:
@@ -132,13 +148,16 @@ class Attention(nn.Module):
             pad = picks.new_full((s, self.cfg.index_topk - picks.shape[-1]), -1)
             cols = torch.cat([cols, picks, pad], dim=-1)
         o = sparse_attention(q, kv, self.sink, cols, self.hd**-0.5)
-        return self.project_out(rope_tail(o, rot, self.rd, inverse=True))
+        return rope_tail(o, rot, self.rd, inverse=True)
 
-    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor, apart: bool = False) -> torch.Tensor:
         g = self.cfg.o_groups
-        o = o.reshape(1, o.shape[0], g, -1)
         wo_a = self.wo_a.view(g, self.cfg.o_lora_rank, -1)
-        return linear(torch.einsum("bsgd,grd->bsgr", o, wo_a)[0].flatten(1), self.wo_b)
+
+        def grouped(o):  # a plain bf16 GEMM per group: per row when the rows are apart (`per_row`)
+            return torch.einsum("bsgd,grd->bsgr", o.reshape(1, o.shape[0], g, -1), wo_a)[0].flatten(1)
+
+        return linear(per_row(grouped, o) if apart else grouped(o), self.wo_b)
 
     # -- compressed rows and their selection ---------------------------------------------------------------
     def _group_rot(self, start: int, n_new: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .attention import Attention, DSparkAttention, Shared
 from .config import V41Config
 from .engram import Engram, EngramHasher
 from .moe import MoE
-from .numerics import GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, rms_norm
+from .numerics import GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, per_row, rms_norm
 from .state import EngramStateSpec, V41SequenceState, contiguous_state, dspark_specs, layer_specs
 
 
@@ -42,16 +42,19 @@ class Block(nn.Module):
         fn, scale, base = site
         return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, min_rows)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, attend, min_rows: int = 1):
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, attend, min_rows: int = 1, apart: bool = False):
         """x [S, hc, D] bf16, pre [S, hc] fp32; `attend(h)` runs this block's attention on the normed input.
-        Returns the streams and this FFN site's pre. `min_rows`: the plain GEMMs' row floor (`numerics.gemm`)."""
+        Returns the streams and this FFN site's pre. `min_rows`: the plain GEMMs' row floor (`numerics.gemm`).
+        `apart`: the rows are different sequences' decode tokens, each computed as its own call would
+        (`numerics.per_row`)."""
         eps = self.cfg.norm_eps
-        a_pre, a_post, a_comb = self._mix(x, self.hc_attn, min_rows)
-        h = attend(rms_norm(hc_collapse(x, pre), self.attn_norm, eps))
-        x = hc_expand(h, x, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mix(x, self.hc_ffn, min_rows)
-        h = self.ffn(rms_norm(hc_collapse(x, a_pre), self.ffn_norm, eps), min_rows)
-        return hc_expand(h, x, f_post, f_comb), f_pre
+        rows = per_row if apart else (lambda fn, *t: fn(*t))
+        a_pre, a_post, a_comb = rows(lambda x: self._mix(x, self.hc_attn, min_rows), x)
+        h = attend(rows(lambda x, p: rms_norm(hc_collapse(x, p), self.attn_norm, eps), x, pre))
+        x = rows(hc_expand, h, x, a_post, a_comb)
+        f_pre, f_post, f_comb = rows(lambda x: self._mix(x, self.hc_ffn, min_rows), x)
+        h = self.ffn(rows(lambda x, p: rms_norm(hc_collapse(x, p), self.ffn_norm, eps), x, a_pre), min_rows, apart)
+        return rows(hc_expand, h, x, f_post, f_comb), f_pre
 
 
 @dataclass
@@ -153,6 +156,52 @@ class DeepseekV41ForCausalLM(nn.Module):
         out.logits = out.logits if all_logits else out.logits[0]
         out.main_hidden = torch.cat(taps, dim=-1) if taps else None
         return out
+
+    @torch.inference_mode()
+    def forward_decode(self, ids, states: list[V41SequenceState]) -> V41Output:
+        """One decode step of several sequences in one forward: `ids[i]` is the next token of `states[i]` (each
+        past its prompt, at its own position). Each row gets the bits `forward([ids[i]], states[i])` gives it
+        alone: what is row-local and the same at any row count (the block-scaled GEMMs, the experts, the
+        gathers) runs batched, the plain GEMMs and short activations per row (`numerics.per_row`), and each
+        sequence's attention over its own state. Returns the last logits [B, vocab] and the DSpark taps."""
+        c = self.cfg
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.shape[0] != len(states):
+            raise ValueError(f"forward_decode got {ids.shape[0]} tokens for {len(states)} sequences")
+        starts = [st.num_tokens for st in states]
+        if min(starts) == 0:
+            raise ValueError("forward_decode runs decode steps; a sequence at position 0 needs forward (a prefill)")
+        if c.image_token_id >= 0 and bool((ids == c.image_token_id).any()):
+            raise ValueError("image inputs need the V4.1 vision tower (the vision-encoder role), not built yet")
+        row_ids = None
+        if self.hasher is not None:
+            per_seq = []
+            for i, st in enumerate(states):
+                r, st.engram_history = self.hasher.hash(st.engram_history, ids[i : i + 1])
+                per_seq.append(r)
+            row_ids = torch.cat(per_seq)
+        elif c.engram_layer_ids:
+            raise RuntimeError("this V4.1 model has Engram layers but was built without a tokenizer")
+        h, pre = self.embed_streams(ids.to(self.embed.device))
+        shared = [Shared() for _ in states]  # decode steps: the reference's stale index keys, one-row GEMMs
+        taps = []
+        for j, blk in enumerate(self.layers):
+            if blk.engram is not None:
+                h = per_row(blk.engram, h, row_ids[:, blk.engram.index])
+            if j in c.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
+
+            def attend(x, attn=blk.attn, j=j):
+                qr, q_lin, kv_lin = attn.project_in(x, apart=True)
+                o = [attn.attend(x[i : i + 1], qr[i : i + 1], q_lin[i : i + 1], kv_lin[i : i + 1], starts[i],
+                                 st.layers[j], st, shared[i]) for i, st in enumerate(states)]
+                return attn.project_out(torch.cat(o), apart=True)
+
+            h, pre = blk(h, pre, attend, 1, apart=True)
+        for st, start in zip(states, starts):
+            st.num_tokens = start + 1
+        hidden = per_row(lambda x, p: rms_norm(hc_collapse(x, p), self.norm, c.norm_eps), h, pre)
+        return V41Output(logits=per_row(self.logits, hidden), main_hidden=torch.cat(taps, dim=-1) if taps else None)
 
     def logits(self, hidden: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         return gemm(hidden.float(), self.head, min_rows)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import V41Config
-from .numerics import QuantWeight, gemm, linear, topk_low_ties
+from .numerics import QuantWeight, gemm, linear, per_row, topk_low_ties
 
 
 class Expert:
@@ -57,8 +57,10 @@ class MoE(nn.Module):
         weights *= c.route_scale
         return weights, idx
 
-    def forward(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
-        weights, idx = self.route(x, min_rows)
+    def forward(self, x: torch.Tensor, min_rows: int = 1, apart: bool = False) -> torch.Tensor:
+        """`apart`: the rows are different sequences' decode tokens; the router's plain GEMM and activations then
+        run per row (`per_row`); the experts' block-scaled GEMMs give each row the same bits at any row count."""
+        weights, idx = per_row(lambda r: self.route(r, min_rows), x) if apart else self.route(x, min_rows)
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)

@@ -96,8 +96,12 @@ class QuantWeight:
     """A stored-precision weight the GEMM reads as the released kernels do: `fp8` (e4m3 [N, K] with 32x32
     UE8M0 tiles) or `fp4` (e2m1 codes [N, K] with a UE8M0 scale per 32 inputs). Values are kept unscaled."""
 
-    def __init__(self, kind: str, values: torch.Tensor, row_scales: torch.Tensor):
+    def __init__(self, kind: str, values: torch.Tensor, row_scales: torch.Tensor | None,
+                 dense: torch.Tensor | None = None):
         self.kind, self.values, self.row_scales = kind, values, row_scales  # row_scales: [N, K/32] fp32
+        # the device form (`to` a CUDA device): the weight dequantized to bf16 [N, K], which is exact (an e4m3 or
+        # e2m1 value times a power of two fits bf16), multiplied in one GEMM with fp32 accumulation
+        self.dense = dense
 
     @classmethod
     def fp8(cls, w: torch.Tensor, scale: torch.Tensor) -> "QuantWeight":
@@ -119,10 +123,19 @@ class QuantWeight:
 
     @property
     def out_features(self) -> int:
-        return self.values.shape[0]
+        return (self.dense if self.dense is not None else self.values).shape[0]
 
     def to(self, device) -> "QuantWeight":
-        return QuantWeight(self.kind, self.values.to(device), self.row_scales.to(device))
+        """The weight on `device`: the CPU keeps the block-scaled form (the reference's order of additions, bit
+        for bit); another device gets the dense bf16 form (`dense`), one GEMM instead of one per K block, whose
+        fp32 sums differ from the block order only in rounding."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            if self.values is None:
+                raise ValueError("a QuantWeight in its device form cannot go back to the CPU's block form")
+            return QuantWeight(self.kind, self.values.to(device), self.row_scales.to(device))
+        dense = self.dense if self.dense is not None else self.dequantized().to(torch.bfloat16)
+        return QuantWeight(self.kind, None, None, dense.to(device))
 
     def dequantized(self) -> torch.Tensor:
         return self.values * self.row_scales.repeat_interleave(BLOCK, 1)
@@ -130,6 +143,9 @@ class QuantWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 [..., K] -> bf16 [..., N]: FP8 act-quant of x per 32, then the block-scaled GEMM."""
         lead, k = x.shape[:-1], x.shape[-1]
+        if self.dense is not None:  # the device form: the fake-quantized activation is exact in bf16 too
+            return torch.nn.functional.linear(fp8_fake_quant(x.reshape(-1, k).to(torch.bfloat16)),
+                                              self.dense).view(*lead, -1)
         q, s = fp8_quant(x.reshape(-1, k))
         out = _block_gemm(q.flatten(-2), s, self.values, self.row_scales)
         return out.to(torch.bfloat16).view(*lead, -1)
@@ -158,6 +174,22 @@ def linear(x: torch.Tensor, w, min_rows: int = 1) -> torch.Tensor:
     if isinstance(w, QuantWeight):
         return w(x)
     return gemm(x, w, min_rows)
+
+
+def per_row(fn, *tensors: torch.Tensor):
+    """`fn(*tensors)` over rows that belong to different sequences (a batched decode step), computed so that
+    each row's bits are those of `fn` on that row alone. On the CPU that means one call per row: a plain GEMM
+    takes another BLAS kernel at another row count, and torch's vectorized exp/sigmoid/rsqrt differ in the last
+    ulp from the scalar tail a short tensor falls in, so a row of a batch and the same row alone can differ.
+    On another device the call is batched (one kernel for the rows; no bit-equality claim there). `fn` returns a
+    tensor or a tuple of tensors, each with the rows first."""
+    n = tensors[0].shape[0]
+    if n == 1 or tensors[0].device.type != "cpu":
+        return fn(*tensors)
+    outs = [fn(*(t[i : i + 1] for t in tensors)) for i in range(n)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

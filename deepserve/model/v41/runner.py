@@ -1,21 +1,25 @@
 """The engine's V4.1 runner: `ModelRunner`'s step (placeholders, sampling, logprobs, grammar masks, speculative
 verification) over V4.1's sequence states in pages (`paged.V41PagedStates`).
 
-A step's chunks run one sequence at a time through `DeepseekV41ForCausalLM.forward`; a chunk stops at every
-page boundary the engine asks a snapshot for (a prefix hit there restores it), which changes nothing in the
-result: a prompt in several chunks computes what one prefill does. Prompt chunks (those of a sequence that has
-not sampled since its state was made) run with `prompt=True`, so their index sources read the keys one prefill
-reads; a decode token keeps the reference's semantics (docs/v41.md).
+A step's prompt chunks run one sequence at a time through `DeepseekV41ForCausalLM.forward`; a chunk stops at
+every page boundary the engine asks a snapshot for (a prefix hit there restores it), which changes nothing in
+the result: a prompt in several chunks computes what one prefill does. Prompt chunks (those of a sequence that
+has not sampled since its state was made) run with `prompt=True`, so their index sources read the keys one
+prefill reads; a decode token keeps the reference's semantics (docs/v41.md).
 
-With a proposer (DSpark, `plugins/speculative/dspark_v41.py`) the step's streams are the DSpark taps of every
-row, and a verifying chunk [token, drafts...] runs one token at a time, each a decode step, so that its logits
-are those of plain decoding and greedy output with speculation equals greedy output without it; the undo
-(`V41Undo`) keeps the state after each of its tokens and puts back the one verification keeps.
+The step's decode tokens, of every sequence, run in one `forward_decode` (batched; each row the bits of that
+sequence's decode step alone). With a proposer (DSpark, `plugins/speculative/dspark_v41.py`) the step's streams
+are the DSpark taps of every row, and a verifying chunk [token, drafts...] runs one token at a time, each a
+decode step batched with the other sequences' (the i-th tokens of all verifying chunks and the decode tokens
+in one forward), so that its logits are those of plain decoding and greedy output with speculation equals
+greedy output without it; the undo (`V41Undo`) keeps the state after each of its tokens and puts back the one
+verification keeps.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +62,18 @@ class V41Undo:
         self._saved.clear()
 
 
+@dataclass(slots=True)
+class _Stepped:
+    """A chunk the step runs as decode steps (`V41ModelRunner._run_decode_steps`)."""
+
+    index: int  # the chunk's place in the step
+    ids: torch.Tensor
+    pages: dict[int, int]  # token count -> the page whose boundary snapshot it takes
+    want: set[int]  # rows (indices into the chunk) whose logits the step reads
+    state: V41SequenceState
+    undo: V41Undo | None  # a verifying chunk's
+
+
 class V41ModelRunner(ModelRunner):
     def __init__(self, model: DeepseekV41ForCausalLM, backend: Backend, states: V41PagedStates, decode=None,
                  proposer=None) -> None:
@@ -93,22 +109,50 @@ class V41ModelRunner(ModelRunner):
         return self._undos[-1]
 
     def _forward(self, batch: ForwardBatch, states, rows) -> ForwardOutput:
-        logits, taps = [], []
+        n = len(self._step_chunks)
+        logits, taps = [None] * n, [None] * n
+        stepped: list[_Stepped] = []  # decode tokens and verifying chunks: one batched forward a token
         undos = iter(self._undos)
-        for chunk, info, state, want in zip(self._step_chunks, batch.chunks, states, rows):
+        for k, (chunk, info, state, want) in enumerate(zip(self._step_chunks, batch.chunks, states, rows)):
             ids = batch.token_ids[info.offset : info.offset + info.length]
-            if chunk.num_draft_tokens:
-                lg, tp = self._verify_pass(ids, info.snapshots, state, list(want), next(undos))
+            if chunk.num_draft_tokens or (info.length == 1 and chunk.request_id in self._decoding):
+                if state.num_tokens != info.start:
+                    raise RuntimeError(f"a V4.1 sequence at token {state.num_tokens} got a chunk at {info.start}")
+                undo = next(undos) if chunk.num_draft_tokens else None
+                stepped.append(_Stepped(k, ids, dict(info.snapshots), set(want), state, undo))
             else:
-                # a prompt chunk, a decode token, or a preempted request's recompute (decode steps from where
-                # its prompt ended)
+                # a prompt chunk, or a preempted request's recompute (decode steps from where its prompt ended)
                 decode_from = info.start if chunk.request_id in self._decoding else \
                     self._prompt_ends.get(chunk.request_id, info.start + info.length)
-                lg, tp = self._run_chunk(ids, info.start, info.snapshots, state, list(want), decode_from)
-            logits.append(lg)
-            taps.append(tp)
+                logits[k], taps[k] = self._run_chunk(ids, info.start, info.snapshots, state, list(want), decode_from)
+        if stepped:
+            self._run_decode_steps(stepped, logits, taps)
         streams = torch.cat(taps) if self.proposer is not None and taps[0] is not None else None
         return ForwardOutput(streams=streams, logits=torch.cat(logits))
+
+    def _run_decode_steps(self, stepped: list["_Stepped"], logits: list, taps: list) -> None:
+        """The step's decode tokens and verifying chunks [token, drafts...] as decode steps in lockstep: the
+        i-th token of every such chunk in one `forward_decode`, which gives each row the bits of that sequence's
+        decode step alone, so batching changes no output. A verifying chunk's state is recorded after each of
+        its tokens (its undo); a page boundary snapshot is taken where a sequence crosses one (past what
+        verification keeps it is harmless: that page is not full, so no prefix hit reads it before the
+        sequence crosses the boundary again and snapshots anew)."""
+        out = {s.index: [] for s in stepped}
+        tap = {s.index: [] for s in stepped}
+        for i in range(max(s.ids.shape[0] for s in stepped)):
+            active = [s for s in stepped if i < s.ids.shape[0]]
+            res = self.model.forward_decode(torch.stack([s.ids[i] for s in active]), [s.state for s in active])
+            for r, s in enumerate(active):
+                if s.undo is not None:
+                    s.undo.record()
+                if s.state.num_tokens in s.pages:
+                    self.cache.snapshot(s.pages[s.state.num_tokens], s.state)
+                if i in s.want:
+                    out[s.index].append(res.logits[r : r + 1])
+                tap[s.index].append(res.main_hidden[r : r + 1] if res.main_hidden is not None else None)
+        for s in stepped:
+            logits[s.index] = torch.cat(out[s.index])
+            taps[s.index] = torch.cat(tap[s.index]) if tap[s.index][0] is not None else None
 
     def _run_chunk(self, ids, start: int, snapshots, state: V41SequenceState, want: list[int], decode_from: int):
         """The logits of the chunk's rows `want` (indices into the chunk) and every row's DSpark taps, stopping
@@ -130,20 +174,4 @@ class V41ModelRunner(ModelRunner):
             if end in pages:
                 self.cache.snapshot(pages[end], state)
             begin = end
-        return torch.cat(out), (torch.cat(taps) if taps[0] is not None else None)
-
-    def _verify_pass(self, ids, snapshots, state: V41SequenceState, want: list[int], undo: V41Undo):
-        """A verifying chunk as decode steps, one token each, the state recorded after each. A page boundary
-        snapshot taken past what verification keeps is harmless: that page is not full, so no prefix hit reads
-        it before the sequence crosses the boundary again and snapshots anew."""
-        pages = dict(snapshots)
-        out, taps = [], []
-        for i in range(ids.shape[0]):
-            res = self.model(ids[i : i + 1], state)
-            undo.record()
-            if state.num_tokens in pages:
-                self.cache.snapshot(pages[state.num_tokens], state)
-            if i in want:
-                out.append(res.logits.unsqueeze(0))
-            taps.append(res.main_hidden)
         return torch.cat(out), (torch.cat(taps) if taps[0] is not None else None)
