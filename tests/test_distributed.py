@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,9 @@ def test_speculative_decoding_across_ranks_keeps_one_process_outputs():
 
 
 def test_replicas_a_shuffled_placement_and_eplb_reassignments_change_no_output(reference):
-    table = [[3, 7, 0, 5, 1, 6, 2, 4, 7, 0]] * 7  # 10 slots: experts 7 and 0 twice, in no particular order
+    cfg = json.loads((Path(default_model_dir()) / "config.json").read_text())
+    sites = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)  # every decoder layer's and the MTP's
+    table = [[3, 7, 0, 5, 1, 6, 2, 4, 7, 0]] * sites  # 10 slots: experts 7 and 0 twice, in no particular order
     llm = LLM(data_parallel_size=2, enable_expert_parallel=True, expert_placement=table, enable_eplb=True,
               num_redundant_experts=2, eplb_window_size=2, eplb_step_interval=3, **OPTIONS)  # EPLB every 3 steps
     try:
