@@ -143,17 +143,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         return ForwardOutput(streams=streams, logits=self.logits(hidden))
 
     def mtp_forward(
-        self, depth: int, batch: ForwardBatch, states: Sequence[SequenceState], prev_streams: torch.Tensor
+        self, depth: int, batch: ForwardBatch, states: Sequence[SequenceState], prev_streams: torch.Tensor,
+        layout: StepLayout | None = None,
     ) -> ForwardOutput:
         """Run MTP block `depth` (V3 alignment, see `MTPBlock`): row i of the batch carries the main model's
         streams at position p_i (`prev_streams`) and the token at p_i + 1 (`batch.token_ids`), at position p_i;
-        its logits predict the token at p_i + 2."""
+        its logits predict the token at p_i + 2. A caller's static `layout` (over the block's pools alone: the
+        draft chain's CUDA graphs, `draft_graphs`) replaces the states' layout; the caller then keeps the MTP
+        token counts, and every row is a logits row."""
         for i, (chunk, state) in enumerate(zip(batch.chunks, states)):
             if chunk.start != state.mtp_num_tokens:
                 raise ValueError(f"sequence {i}: MTP chunk starts at {chunk.start}, MTP state holds {state.mtp_num_tokens}")
         block = self.mtp[depth]
         embeds = self.model.embed_tokens(batch.token_ids)
-        layout = layout_for(batch, [[s.mtp_layers[depth]] for s in states], self.backend, embeds.dtype)
+        if layout is None:
+            layout = layout_for(batch, [[s.mtp_layers[depth]] for s in states], self.backend, embeds.dtype)
         streams = block(embeds, prev_streams, layout.layer(0), batch.token_ids)
         hidden = block.final_hidden(streams[batch.logits_indices])
         if depth == len(self.mtp) - 1:

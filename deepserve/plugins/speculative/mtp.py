@@ -39,6 +39,17 @@ class MTPProposer(Proposer):
         self.model, self.num_speculative_tokens = model, num_speculative_tokens
         self.head, self.planner, self.with_confidences = confidence_head, planner, with_confidences
         self.depth = len(model.mtp) - 1  # the last block: V4 ships one, chained for every draft
+        self.chain_graphs = None  # `deepserve.model.draft_graphs.DraftChainGraphs`, once `capture_graphs` made it
+
+    def capture_graphs(self, cache, max_batch: int, batch_sizes=None, capture: bool | None = None) -> int:
+        """Run drafts 2..k of greedy steps from CUDA graphs over `cache`'s MTP pools (`draft_graphs`), every
+        batch bucket made now; returns how many. Nothing to capture for k = 1 (draft 1 is the catch-up's)."""
+        from deepserve.model.draft_graphs import DraftChainGraphs
+
+        if self.num_speculative_tokens < 2:
+            return 0
+        self.chain_graphs = DraftChainGraphs(self, cache, max_batch, capture=capture, batch_sizes=batch_sizes)
+        return self.chain_graphs.warm_up()
 
     @torch.inference_mode()
     def propose(self, streams: torch.Tensor, chunks: list[DraftChunk], sampling: RowSampling) -> Drafts | None:
@@ -57,11 +68,14 @@ class MTPProposer(Proposer):
         lengths = [chunks[i].start + chunks[i].num_committed for i in drafting]  # L: the committed length
         positions = torch.tensor(lengths, device=device)
         d_states = [states[i] for i in drafting]
+        prev, logits, hidden = out.streams[ends], out.logits, out.hidden
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.supports(len(drafting), sampling.all_greedy):
+            return self._graph_chain(graphs, d_states, lengths, prev, logits, hidden)
         saved = [[layer.window.save(p, p + k - 1) for layer in s.mtp_layers]
                  for s, p in zip(d_states, lengths)] if k > 1 else []
-        tokens, probs, confs = [], [], []
         sampled = not sampling.all_greedy  # q is needed only for sampled requests
-        prev, logits, hidden = out.streams[ends], out.logits, out.hidden
+        tokens, probs, confs = [], [], []
         for j in range(k):
             token, q = self._draw(logits, sampling, positions + 1 + j, sampled)
             tokens.append(token)
@@ -80,6 +94,19 @@ class MTPProposer(Proposer):
             s.mtp_num_tokens = p
         return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if sampled else None,
                       torch.stack(confs, 1) if confs else None)
+
+    def _graph_chain(self, graphs, d_states, lengths, prev, logits, hidden) -> Drafts:
+        """Greedy drafts: draft 1 from the catch-up here, drafts 2..k (with their confidences) from the graphs,
+        which leave the MTP rings as committed."""
+        first = argmax_lowest(logits)
+        rest, rest_confs = graphs.run(first, prev, lengths, [s.mtp_layers[self.depth].slot for s in d_states])
+        tokens = torch.cat((first[:, None], rest), 1)
+        confs = None
+        if self.with_confidences:
+            confs = torch.cat((self._confidence(hidden, logits, 0)[:, None].float(), rest_confs), 1)
+        for s, p in zip(d_states, lengths):
+            s.mtp_num_tokens = p
+        return Drafts(tokens, None, confs)
 
     def _draw(self, logits: torch.Tensor, sampling: RowSampling, positions: torch.Tensor, sampled: bool):
         """Draft tokens for the token positions `positions`, and q, the distribution they were drawn from (None
