@@ -190,7 +190,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-store-deadline", type=float, default=None,
                        help="seconds a block-store call may take before it counts as a miss (default 1)")
     serve.add_argument("--kv-store-ttl-class", default=None, choices=["chat", "agent"],
-                       help="retention class of the blocks written: chat (7 days, the default) or agent (3 days)")
+                       help="retention class of the blocks written by requests without a cache_ttl field of their "
+                       "own: chat (7 days, the default) or agent (3 days)")
     serve.add_argument("--swa-host-slots", type=int, default=None, metavar="N",
                        help="keep the window state past the last full page of N finished sequences in host "
                        "slots (MXFP8) for their next turn (docs/cache.md)")

@@ -199,6 +199,8 @@ class EngineCore:
         self._copies_in: list[tuple[list[int], list]] = []  # (pages, blocks) the next step writes first
         if kv_tiers is not None:
             scheduler.kv.record_new_blocks = True
+            if kv_tiers.ttl_class is not None:  # requests without a `cache_ttl` of their own write this class
+                scheduler.kv.default_ttl_class = kv_tiers.ttl_class
         # SWA host slots: a finished sequence's tail state is saved, a request continuing it restores it
         if (swa_slots is None) != (slot_io is None):
             raise ValueError("swa_slots and slot_io come together (the slots' states are moved through slot_io)")
@@ -578,8 +580,9 @@ class EngineCore:
             if load.request_id not in self.scheduler.requests:
                 continue  # finished (aborted) while it loaded
             blocks = load.blocks()
+            request = self.scheduler.requests[load.request_id]
             new = kv.prepare_load(load.request_id, load.block_hashes[: load.first + len(blocks)], load.first,
-                                  self.scheduler.requests[load.request_id].prompt_token_ids)
+                                  request.prompt_token_ids, request.sampling_params.cache_ttl)
             if new:
                 self._copies_in.append(([page for _, page in new], [blocks[i - load.first] for i, _ in new]))
                 kv.mark_unsnapshotted([page for i, page in new if len(blocks[i - load.first]) < len(
@@ -591,15 +594,17 @@ class EngineCore:
         """Copy the blocks the step completed out of their pages (on the runner's thread, after the step in
         flight and before the next one, which may reuse a page) into the tiers below."""
         new = self.scheduler.kv.take_new_blocks()
+        if self.kv_tiers.store is None:  # only a store keeps retention classes: nothing to write again
+            new = [b for b in new if not b.reput]
         if new:
-            hashes, pages = [h for h, _ in new], [p for _, p in new]
-            self._worker.submit(self._copy_out, hashes, pages)
+            self._worker.submit(self._copy_out, new)
 
-    def _copy_out(self, hashes: list, pages: list[int]) -> None:
+    def _copy_out(self, new: list) -> None:
         try:
-            self.kv_tiers.offload(hashes, self.page_io.read(pages))
+            self.kv_tiers.offload([b.block_hash for b in new], self.page_io.read([b.page for b in new]),
+                                  [b.ttl_class for b in new], [b.reput for b in new])
         except Exception:  # noqa: BLE001 - writes are best effort: a failed copy is a block not offloaded
-            logger.exception("copying %d KV blocks out to the cache tiers failed", len(pages))
+            logger.exception("copying %d KV blocks out to the cache tiers failed", len(new))
 
     # -- structured output ---------------------------------------------------------------------------------------
     def _check_grammars(self) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from deepserve.core.kv.store import check_ttl_class
 from deepserve.core.structured import GrammarSpec
 
 #: temperatures below this are treated as 0 (greedy), as vLLM does; dividing logits by them would overflow
@@ -79,6 +80,10 @@ class SamplingParams:
 
     `detokenize=False` (vLLM's): the engine leaves the output's `text` empty, for a caller that decodes the
     token ids itself (the server's chat routes: deepseek-recipe's stream processor does); stop strings need it.
+
+    `cache_ttl` (deepserve's, the `cache_ttl` request field): the retention class of the KV blocks this request
+    writes to a block store, `"agent"` (3 days) or `"chat"` (7 days); None: the engine's `kv_store_ttl_class`
+    (docs/cache.md). No effect without a store.
     """
 
     n: int = 1
@@ -104,6 +109,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     detokenize: bool = True
+    cache_ttl: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _int_field("n", self.n, minimum=1)
@@ -165,6 +171,8 @@ class SamplingParams:
             self.bad_words_token_ids = [[operator.index(t) for t in w] for w in words] or None
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True: they are found in the output's text")
+        if self.cache_ttl is not None:
+            check_ttl_class(self.cache_ttl, "cache_ttl")
 
     @staticmethod
     def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:

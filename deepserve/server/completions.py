@@ -25,7 +25,7 @@ from deepserve.server.engine_errors import engine_errors, failure_reason
 from deepserve.server.errors import ApiError, error_body, sampling_error
 from deepserve.server.http import check_text, json_type, open_sse, sse_message
 from deepserve.server.pool import run_in_pool
-from deepserve.server.sampling_options import PENALTY_FIELDS, penalty_fields
+from deepserve.server.sampling_options import CACHE_FIELDS, PENALTY_FIELDS, cache_fields, penalty_fields
 from deepserve.server.session import session_of
 from deepserve.server.state import CONFIG, ENGINE, METRICS, MODEL, ModelInfo
 from deepserve.server.structured import EXTENSION_FIELDS, body_constraints, client_of, compile_grammar, \
@@ -41,7 +41,7 @@ def _is_not(value: int) -> Callable[[Any], bool]:
 _UNSUPPORTED = {"suffix": lambda v: v is not None, "best_of": _is_not(1)}
 KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo",
                           "user", "response_format", "session_id", *EXTENSION_FIELDS, *_SAMPLING_FIELDS, *_UNSUPPORTED,
-                          *PENALTY_FIELDS})
+                          *PENALTY_FIELDS, *CACHE_FIELDS, "extra_body"})
 MAX_LOGPROBS = 20
 #: prompts one request may batch (each is its own choice and its own engine request)
 MAX_PROMPTS = 64
@@ -77,7 +77,8 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                        f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
                        "completion).", param="max_tokens", code="context_length_exceeded")
-    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None} | penalty_fields(body)
+    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None} | penalty_fields(body) \
+        | cache_fields(body)
     constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
     spec = to_spec(constraint) if constraint is not None else None
     try:

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from deepserve import __version__
+from deepserve.core.kv.store import TTL_DAYS
 from deepserve.server.completions import MAX_PROMPTS
 from deepserve.server.config import ServerConfig
 from deepserve.server.session import MAX_SESSION_ID_LENGTH
@@ -101,6 +102,11 @@ _USAGE = _object([], {"prompt_tokens": _INT, "completion_tokens": _INT, "total_t
 _SESSION_ID = {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_ID_LENGTH}
 _SESSION = _nullable({**_SESSION_ID, "description": "the conversation whose SWA host slot this turn continues "
                                                     "(docs/cache.md)"})
+_CACHE_TTL = _nullable({"enum": sorted(TTL_DAYS), "description": "the retention class of the KV blocks this request "
+                        "writes to the block store (agent: 3 days, chat: 7); default --kv-store-ttl-class "
+                        "(docs/cache.md)"})
+#: deepserve's per-request cache fields, top-level or (as vLLM's docs show) inside a literal `extra_body`
+_CACHE = {"cache_ttl": _CACHE_TTL, "extra_body": _nullable(_object([], {"cache_ttl": _CACHE_TTL}))}
 
 SCHEMAS: dict[str, Any] = {
     "Error": _object(["error"], {"error": _object(["message", "type"], {
@@ -115,7 +121,7 @@ SCHEMAS: dict[str, Any] = {
         "tools": _nullable({"type": "array", "items": _OBJ}), "tool_choice": {},
         "thinking": _nullable(_object([], {"type": {"enum": ["enabled", "disabled"]}})),
         "reasoning_effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
-        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_GUIDED}),
+        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_CACHE, **_GUIDED}),
     "ChatCompletion": _object(["id", "object", "created", "model", "choices"], {
         "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["index", "message", "finish_reason"], {
@@ -134,7 +140,7 @@ SCHEMAS: dict[str, Any] = {
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
         "skip_special_tokens": _nullable(_BOOL), "include_stop_str_in_output": _nullable(_BOOL),
         "suffix": {"type": "null"}, "best_of": _nullable({"const": 1}), **_PENALTIES,
-        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_GUIDED}, extra=False),
+        "response_format": _RESPONSE_FORMAT, "session_id": _SESSION, **_CACHE, **_GUIDED}, extra=False),
     "Completion": _object(["id", "object", "created", "model", "choices", "usage"], {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
         "choices": {"type": "array", "items": _object(["text", "index", "finish_reason"], {
@@ -144,7 +150,7 @@ SCHEMAS: dict[str, Any] = {
         "model": _STR, "input": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]}, **_SAMPLING,
         "instructions": _nullable(_STR), "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
         "tools": _nullable({"type": "array", "items": _OBJ}), "reasoning": _nullable(_OBJ),
-        "text": _nullable(_TEXT_FORMAT), "session_id": _SESSION,
+        "text": _nullable(_TEXT_FORMAT), "session_id": _SESSION, **_CACHE,
         "conversation": _nullable({"anyOf": [_SESSION_ID, _object(["id"], {"id": _SESSION_ID})],
                                    "description": "names the session (as session_id); no items are stored: send "
                                                   "the whole conversation as input"}), **_GUIDED}),
@@ -158,7 +164,7 @@ SCHEMAS: dict[str, Any] = {
         "stop_sequences": _nullable({"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}),
         "thinking": _nullable(_OBJ),
         "tools": _nullable({"type": "array", "items": _OBJ}), "output_format": _ANTHROPIC_FORMAT,
-        "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), "session_id": _SESSION, **_GUIDED}),
+        "output_config": _nullable(_object([], {"format": _ANTHROPIC_FORMAT})), "session_id": _SESSION, **_CACHE, **_GUIDED}),
     "Message": _object(["id", "type", "role", "content", "model"], {
         "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
         "content": {"type": "array", "items": _OBJ}, "stop_reason": _nullable(_STR), "usage": _OBJ}),

@@ -29,7 +29,7 @@ from deepserve.server.config import DEFAULT_MAX_TOKENS
 from deepserve.server.dialects import rewrite
 from deepserve.server.usage import OutputUsage
 from deepserve.server.errors import ApiError, sampling_error
-from deepserve.server.sampling_options import penalty_fields, sibling_params
+from deepserve.server.sampling_options import cache_fields, penalty_fields, sibling_params
 from deepserve.server.session import session_of
 from deepserve.server.tool_calls import DSML, auto_choice, forced_tools, parallel_allowed, tool_call_spec
 from deepserve.server.structured import THINKING_END, Constraint, after_thinking, anthropic_constraints, \
@@ -242,7 +242,8 @@ def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[s
                      structured_outputs: GrammarSpec | None = None) -> SamplingParams:
     """The recipe's options plus what it does not carry: `top_k` on every protocol, `seed` on Responses and
     Messages (validated with the other routes' fields: `deepserve.server.validation`), and the penalties,
-    `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none). `detokenize=False`: the stream processor
+    `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none), and `cache_ttl` (`CACHE_FIELDS`, on every
+    protocol). `detokenize=False`: the stream processor
     decodes the token ids itself, so the engine does not decode them a second time."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
@@ -251,7 +252,7 @@ def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[s
                               top_p=1.0 if options.top_p is None else options.top_p,
                               top_k=0 if top_k is None else top_k, seed=seed, max_tokens=max_tokens,
                               logprobs=logprobs, structured_outputs=structured_outputs, detokenize=False,
-                              **penalty_fields(body))
+                              **penalty_fields(body), **cache_fields(body))
     except ValueError as exc:
         raise sampling_error(exc) from None
 

@@ -24,6 +24,12 @@ until its `get_computed_blocks` (or `free`), so nothing evicts them while it wai
 for the tiers to copy out). With an `emit` callback, every block registered and every page evicted is a KV event
 (`deepserve.core.kv.events`: BlockStored / BlockRemoved, medium GPU) for cache-aware routers.
 
+Each registered page also keeps the retention class (`agent`, `chat`: `deepserve.core.kv.store.TTL_DAYS`) its
+block goes to a store under: the class of the request that computed it (`ttl_class` of `cache_full_blocks`, None:
+`default_ttl_class`), or, for a page placed from a lower tier, of the request that loaded it. A prefix hit by a
+request of a longer class raises the page's class and (with `record_new_blocks`) hands the block out again, marked
+`reput`, so the tiers write it once more under the longer class; a hit never shortens a class.
+
 Pages placed from a store that keeps no window snapshots (`kv_store_snapshots=False`) are marked
 (`mark_unsnapshotted`): a prefix hit that ends on one records a *snapshot replay* (`take_snapshot_replay`), which
 the engine has the runner do before the request's first step (SWA replay, docs/cache.md); a page allocated
@@ -32,18 +38,28 @@ afresh is computed, so it loses the mark.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from deepserve.core.kv.block_pool import BlockPool
 from deepserve.core.kv.prefix_hash import BlockHash, extend_block_hashes, validate_block_size
+from deepserve.core.kv.store import TTL_DAYS, check_ttl_class
 
 RequestId = str
 
 #: tokens per compressed row: CSA main rows and indexer keys, and HCA rows (spec section 4.4)
 CSA_RATIO = 4
 HCA_RATIO = 128
+
+
+class NewBlock(NamedTuple):
+    """A block for the tiers below the GPU to copy out of its page: one a step computed, or (`reput`) one a
+    request of a longer retention class hit, to be stored again under `ttl_class`."""
+
+    block_hash: BlockHash
+    page: int
+    ttl_class: str
+    reput: bool = False
 
 
 def rows_per_page(block_size: int, ratio: int) -> int:
@@ -85,9 +101,13 @@ class KVCacheManager:
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self._held: dict[RequestId, list[int]] = {}  # pages held for requests waiting on a lower tier
-        #: keep (hash, page) of every block `cache_full_blocks` registers, for `take_new_blocks`
+        #: keep a `NewBlock` of every block `cache_full_blocks` registers (and of every re-put), for `take_new_blocks`
         self.record_new_blocks = False
-        self._new_blocks: list[tuple[BlockHash, int]] = []
+        self._new_blocks: list[NewBlock] = []
+        #: the retention class of blocks whose request names none (the engine's `kv_store_ttl_class`)
+        self.default_ttl_class = "chat"
+        self._page_ttl: dict[int, str] = {}  # registered page -> the retention class its block is stored under
+        self._ttl: dict[RequestId, str | None] = {}  # request -> its own class (None: the default)
         self._unsnapshotted: set[int] = set()  # pages whose boundary snapshot is not there
         self._replays: dict[RequestId, tuple[int, list[int]]] = {}  # request -> (boundary, its hit pages)
         self.emit = emit
@@ -105,7 +125,8 @@ class KVCacheManager:
         return self.pool.usage
 
     def get_computed_blocks(
-        self, request_id: RequestId, token_ids: Sequence[int], cache_salt: str | None = None, use_hits: bool = True
+        self, request_id: RequestId, token_ids: Sequence[int], cache_salt: str | None = None, use_hits: bool = True,
+        ttl_class: str | None = None,
     ) -> tuple[list[int], int]:
         """Give a request with no pages the pages of its longest cached prefix of full blocks.
 
@@ -113,7 +134,8 @@ class KVCacheManager:
         `len(token_ids) - 1` rounded down to a block boundary: the model must compute at least one token to
         produce logits. With prefix caching off this returns ([], 0) and only creates an empty table.
         `use_hits=False`: compute every token (a request that wants its prompt's logprobs), while its full blocks
-        are still hashed and cached for others.
+        are still hashed and cached for others. `ttl_class`: the request's retention class (None: the default);
+        a hit page of a shorter class takes this one and is handed out again (`NewBlock.reput`).
         """
         if request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds KV pages; free it before looking it up again")
@@ -133,6 +155,12 @@ class KVCacheManager:
             hit.append(page)
         self.pool.touch(hit)
         self._release_hold(request_id)  # after the touch: a held page stays referenced throughout
+        ttl = self._ttl[request_id] = self._ttl_class(ttl_class)
+        for block_hash, page in zip(hashes, hit):
+            if TTL_DAYS[self._page_ttl.get(page, ttl)] < TTL_DAYS[ttl]:
+                self._page_ttl[page] = ttl
+                if self.record_new_blocks:
+                    self._new_blocks.append(NewBlock(block_hash, page, ttl, reput=True))
         self.block_tables[request_id] = list(hit)
         self._num_registered[request_id] = len(hit)
         num_cached_tokens = len(hit) * self.block_size
@@ -163,12 +191,15 @@ class KVCacheManager:
         return new_pages
 
     def cache_full_blocks(
-        self, request_id: RequestId, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
+        self, request_id: RequestId, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None,
+        ttl_class: str | None = None,
     ) -> None:
         """Register the request's blocks that are full and computed within its first `num_computed_tokens` tokens.
 
         `token_ids` are the request's tokens so far (prompt then output), at least `num_computed_tokens` of them;
         `cache_salt` must be the one given to `get_computed_blocks`. A partial last block is never registered.
+        `ttl_class`: the retention class its blocks are stored under (None: the one given to
+        `get_computed_blocks`, else the default).
         """
         if not self.enable_prefix_caching:
             return
@@ -184,10 +215,13 @@ class KVCacheManager:
             return
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []),
                                      token_ids[:num_full * self.block_size], self.block_size, cache_salt)
+        ttl = self._ttl_class(ttl_class) if ttl_class is not None else self._ttl.get(request_id) \
+            or self.default_ttl_class
         for i in range(start, num_full):
             if self.pool.cache_block(table[i], hashes[i]):
+                self._page_ttl[table[i]] = ttl
                 if self.record_new_blocks:
-                    self._new_blocks.append((hashes[i], table[i]))
+                    self._new_blocks.append(NewBlock(hashes[i], table[i], ttl))
                 self._stored(hashes, i, token_ids)
         self._num_registered[request_id] = num_full
 
@@ -199,9 +233,16 @@ class KVCacheManager:
                                   list(token_ids[i * self.block_size:(i + 1) * self.block_size]), self.block_size,
                                   None, "GPU"))
 
-    def take_new_blocks(self) -> list[tuple[BlockHash, int]]:
-        """(hash, page) of the blocks registered by `cache_full_blocks` since the last call (with
-        `record_new_blocks` on). Their pages hold the blocks' bytes until the next step is planned."""
+    def _ttl_class(self, ttl_class: str | None) -> str:
+        return check_ttl_class(ttl_class) if ttl_class is not None else self.default_ttl_class
+
+    def ttl_class_of(self, page: int) -> str | None:
+        """The retention class the block in registered `page` is stored under (None: the page holds none)."""
+        return self._page_ttl.get(page) if self.pool.block_hash(page) is not None else None
+
+    def take_new_blocks(self) -> list[NewBlock]:
+        """The blocks registered by `cache_full_blocks`, and the hits re-put under a longer class, since the last
+        call (with `record_new_blocks` on). Their pages hold the blocks' bytes until the next step is planned."""
         new, self._new_blocks = self._new_blocks, []
         return new
 
@@ -213,13 +254,14 @@ class KVCacheManager:
         return len(block_hashes)
 
     def prepare_load(self, request_id: RequestId, block_hashes: Sequence[BlockHash], first: int,
-                     token_ids: Sequence[int] = ()) -> list[tuple[int, int]]:
+                     token_ids: Sequence[int] = (), ttl_class: str | None = None) -> list[tuple[int, int]]:
         """Hold pages for a request's prefix before it is admitted: the GPU-cached blocks of `block_hashes`, and
         a new page for each block from index `first` on that is not cached (a lower tier has its bytes), as far
         as free pages last. Blocks before `first` must be cached, or the prefix ends there. The new pages are
         registered under their hashes now; returns [(block index, page)] of those, which the caller must fill
         before any step reads them. The hold ends at the request's `get_computed_blocks` or `free`. `token_ids`:
-        the request's tokens, for the KV events of the blocks registered."""
+        the request's tokens, for the KV events of the blocks registered. `ttl_class`: the loading request's
+        retention class, which the new pages take (their copies below are not rewritten for it)."""
         if request_id in self._held or request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds KV pages")
         held: list[int] = []
@@ -234,6 +276,7 @@ class KVCacheManager:
                 page = self.pool.allocate(1)[0]
                 self._unsnapshotted.discard(page)
                 self.pool.cache_block(page, block_hash)
+                self._page_ttl[page] = self._ttl_class(ttl_class)
                 new.append((i, page))
                 if len(token_ids) >= (i + 1) * self.block_size:
                     self._stored(block_hashes, i, token_ids)
@@ -273,3 +316,4 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._salts.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._ttl.pop(request_id, None)

@@ -26,6 +26,23 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
+#: the retention classes of stored blocks, in days: DeepSeek's 3 days for agent traffic and 7 for chat. A request
+#: picks one (`SamplingParams.cache_ttl`, the `cache_ttl` request field); the server's default is
+#: `--kv-store-ttl-class`. Stores that keep retention (dir, Redis) keep each block for its class's days.
+TTL_DAYS = {"agent": 3, "chat": 7}
+
+
+def check_ttl_class(ttl_class: str, name: str = "ttl_class") -> str:
+    """`ttl_class` if it is one of `TTL_DAYS`'s classes; else a ValueError that starts with `name`."""
+    if not isinstance(ttl_class, str) or ttl_class not in TTL_DAYS:
+        raise ValueError(f"{name} must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
+    return ttl_class
+
+
+def longer_ttl(a: str, b: str) -> str:
+    """The class of the two that keeps a block longer."""
+    return a if TTL_DAYS[a] >= TTL_DAYS[b] else b
+
 
 @dataclass(frozen=True, slots=True)
 class StoreNamespace:

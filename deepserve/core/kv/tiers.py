@@ -14,7 +14,9 @@ How the engine uses this (`EngineCore`):
   engine puts the blocks into free pages (copied in on the runner's thread, before any step reads them) and the
   request is admitted with those pages as prefix hits. Blocks the store returned are promoted to the host tier.
 - **Writes, after a step**: the blocks a step completed are copied out of their pages on the runner's thread and
-  `offload` puts them into the host tier and (asynchronously, best effort, bounded in flight) into the store.
+  `offload` puts them into the host tier and (asynchronously, best effort, bounded in flight) into the store,
+  under the retention class of the request that computed them (`SamplingParams.cache_ttl`, else `ttl_class`);
+  a block that a request of a longer class hit is written to the store again under that class.
 - A store error or timeout is a miss (`GuardedStore`); nothing here can fail a request.
 
 Plain Python, no torch: the page copies are the caller's callables.
@@ -279,35 +281,42 @@ class KVTiers:
             load.future.cancel()
 
     # -- writes --------------------------------------------------------------------------------------------------
-    def offload(self, block_hashes: Sequence[BlockHash], blocks: Sequence[Block]) -> None:
+    def offload(self, block_hashes: Sequence[BlockHash], blocks: Sequence[Block],
+                ttl_classes: Sequence[str | None] | None = None, reputs: Sequence[bool] | None = None) -> None:
         """Blocks a step completed (copied out of their pages): into the host tier, and to the store without
-        waiting. Safe to call from any thread."""
-        fresh = []
-        for block_hash, block in zip(block_hashes, blocks):
-            if self.host is not None:
+        waiting, each under its retention class (`ttl_classes[i]`; None: this engine's `ttl_class`). A block
+        marked in `reputs` is one the tiers hold already, hit by a request of a longer class: it goes to the
+        store again under that class (one write per class), and not to the host tier. Safe to call from any
+        thread."""
+        ttl_classes = ttl_classes or [None] * len(block_hashes)
+        reputs = reputs or [False] * len(block_hashes)
+        fresh: dict[str | None, list[tuple[BlockHash, Block]]] = {}  # by class: one batch each
+        for block_hash, block, ttl_class, reput in zip(block_hashes, blocks, ttl_classes, reputs):
+            if self.host is not None and not reput:
                 if block_hash in self.host:
                     continue  # computed again after its GPU page went: the tiers below hold it already
                 self.host.put(block_hash, block)
-            fresh.append((block_hash, block))
-        if not fresh or self.store is None:
+            fresh.setdefault(ttl_class or self.ttl_class, []).append((block_hash, block))
+        if self.store is None:
             return
-        with self._writes_lock:
-            if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
-                self.store_stats.num_dropped_writes += len(fresh)
-                return
-            future = self._thread.submit(self._write_store(fresh))
-            self._writes.add(future)
-        future.add_done_callback(self._write_done)
+        for ttl_class, batch in fresh.items():
+            with self._writes_lock:
+                if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+                    self.store_stats.num_dropped_writes += len(batch)
+                    continue
+                future = self._thread.submit(self._write_store(batch, ttl_class))
+                self._writes.add(future)
+            future.add_done_callback(self._write_done)
 
     def _write_done(self, future: Future) -> None:
         with self._writes_lock:
             self._writes.discard(future)
 
-    async def _write_store(self, blocks: list[tuple[BlockHash, Block]]) -> None:
+    async def _write_store(self, blocks: list[tuple[BlockHash, Block]], ttl_class: str | None) -> None:
         items = [(BlockKey(self.namespace, store_hash(h), pool), block[pool]) for h, block in blocks
                  for pool in self.store_pools]
         errors = self.store.num_errors
-        stored = await self.store.put_many(items, self.ttl_class)
+        stored = await self.store.put_many(items, ttl_class)
         self.store_stats.num_errors += self.store.num_errors - errors
         whole = stored // len(self.store_pools) if stored == len(items) else 0
         self.store_stats.num_stored_blocks += whole

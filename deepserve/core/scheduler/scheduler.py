@@ -271,7 +271,8 @@ class Scheduler:
                 request.num_draft_tokens += len(made)
             if running:  # before the stop check: a finishing request's prompt counts
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
-                                          min(request.num_computed_tokens, request.num_tokens), request.cache_salt)
+                                          min(request.num_computed_tokens, request.num_tokens), request.cache_salt,
+                                          request.sampling_params.cache_ttl)
             if not chunk.samples:
                 if request.sampling_params.max_tokens == 0 and running \
                         and chunk.start + len(chunk.token_ids) >= request.num_tokens:  # its prompt's last chunk
@@ -368,7 +369,8 @@ class Scheduler:
             # a request that wants its prompt's logprobs computes every prompt token (a hit would skip them)
             wants_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
             _, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
-                                                        request.cache_salt, use_hits=not wants_prompt)
+                                                        request.cache_salt, use_hits=not wants_prompt,
+                                                        ttl_class=request.sampling_params.cache_ttl)
             resume = self._resumes.get(request.request_id)
             if resume is not None and request.status is RequestStatus.WAITING and not wants_prompt \
                     and num_cached == resume[0]:

@@ -33,15 +33,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from deepserve.core.kv.store import BlockKey, BlockStore, StoreStats
+from deepserve.core.kv.store import TTL_DAYS, BlockKey, BlockStore, StoreStats, check_ttl_class
 
-TTL_DAYS = {"agent": 3, "chat": 7}
-
-
-def check_ttl_class(ttl_class: str) -> None:
-    """Refuse a retention class that is not one of `TTL_DAYS`'s, naming the known ones."""
-    if ttl_class not in TTL_DAYS:
-        raise ValueError(f"ttl_class must be one of {sorted(TTL_DAYS)}, got {ttl_class!r}")
+#: the classes from the longest retention to the shortest: the order reads look in, so that a block re-put under
+#: a longer class (a later request of that class hit it) is read, and kept fresh, there
+_LONGEST_FIRST = sorted(TTL_DAYS, key=TTL_DAYS.get, reverse=True)
 DAY = 86400
 _HEADER = struct.Struct("<4sQI")  # magic, payload length, crc32
 _MAGIC = b"DSKV"
@@ -103,7 +99,7 @@ class DirStore(BlockStore):
 
     def _find(self, key: BlockKey) -> Path | None:
         rel = self._relative(key)
-        for ttl_class in TTL_DAYS:
+        for ttl_class in _LONGEST_FIRST:
             for day in self._live_days(ttl_class):
                 path = self.root / ttl_class / str(day) / rel
                 if path.is_file():
