@@ -16,8 +16,11 @@ dequantized to bf16 (`--quantization none`), in one run.
    a step must read at that model's precision / step time / copy bandwidth, and the logprobs of a fixed prompt.
 4. Stored against bf16: decode and prefill speed ratios, logprob differences (max and mean |d logprob| of the
    prompt's tokens, greedy agreement of the top token), and the largest batch x context the KV memory left after
-   the weights holds (`gpu_memory_utilization` 0.9). The FP8 KV cache (`--kv-cache-dtype fp8`) is not built yet:
-   its rows say so.
+   the weights holds (`gpu_memory_utilization` 0.9), with and without the FP8 KV cache (`--kv-cache-dtype fp8`):
+   its bytes per token are the stored form's (`bytes_per_page(precision=..)`: 584 B rows, 68 B indexer keys), and
+   its logprob rows compare the stored model with the FP8 KV rounding against the same model without it. (The
+   cache rounds its rows to FP8 but still allocates them at the model dtype: the fp8 "fits" rows are what the
+   stored form holds, docs/quantization.md.)
 
 Prints the table last; writes stored_precision.json into --out ($OUT when set). `--quick`: tiny shapes on any
 device, a check of the harness, not a measurement.
@@ -113,6 +116,7 @@ def bench_model(path: Path, quantization: str, backend, device, args, prompt: li
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import bytes_per_page
+    from deepserve.model.kv_precision import KVPrecision, use_kv_cache_dtype
 
     cuda = torch.device(device).type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
@@ -124,17 +128,27 @@ def bench_model(path: Path, quantization: str, backend, device, args, prompt: li
     flops_wb = bf16_weight_bytes(model)
     page_bytes = bytes_per_page(model, PAGE, model.lm_head.weight.dtype)
     out["kv_bytes_per_token"] = page_bytes / PAGE
+    fp8_page_bytes = bytes_per_page(model, PAGE, model.lm_head.weight.dtype,
+                                    precision=KVPrecision("fp8", model.cfg.qk_rope_head_dim))
+    out["kv_bytes_per_token_fp8_kv"] = fp8_page_bytes / PAGE
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
         budget = max(int(free - 0.1 * total), 0)
         out["kv_budget_bytes"] = budget
         out["max_tokens"] = budget // page_bytes * PAGE
+        out["max_tokens_fp8_kv"] = budget // fp8_page_bytes * PAGE
     print(f"[{quantization}] weights {wb['total_bytes'] / 2**30:.2f} GiB counted, "
           f"{(out['weight_memory_bytes'] or 0) / 2**30:.2f} GiB allocated; KV {out['kv_bytes_per_token']:.0f} B/token",
           flush=True)
 
-    logits = model(make_batch([prompt], [0], device, logits_rows=[range(len(prompt))]), [model.make_state()]).logits
-    out["_logprobs"] = torch.log_softmax(logits.float(), dim=-1).cpu()
+    def prompt_logprobs():
+        batch = make_batch([prompt], [0], device, logits_rows=[range(len(prompt))])
+        return torch.log_softmax(model(batch, [model.make_state()]).logits.float(), dim=-1).cpu()
+
+    out["_logprobs"] = prompt_logprobs()
+    use_kv_cache_dtype(model, "fp8")  # the same prompt with the KV rows rounded as the FP8 cache keeps them
+    out["_logprobs_fp8_kv"] = prompt_logprobs()
+    use_kv_cache_dtype(model, "auto")
 
     rate = floors.get("fp8_flops_per_s" if quantization != "none" else "bf16_flops_per_s")
     g = torch.Generator().manual_seed(2)
@@ -179,27 +193,34 @@ def bench_model(path: Path, quantization: str, backend, device, args, prompt: li
     return out
 
 
-def compare(stored: dict, plain: dict, prompt: list[int]) -> dict:
-    a, b = stored.pop("_logprobs"), plain.pop("_logprobs")
+def logprob_diff(a: torch.Tensor, b: torch.Tensor, prompt: list[int]) -> dict:
+    """max and mean |d logprob| of the prompt's tokens, the largest over the vocabulary, top-1 agreement."""
     targets = torch.tensor(prompt[1:])
     pa, pb = a[:-1].gather(1, targets[:, None])[:, 0], b[:-1].gather(1, targets[:, None])[:, 0]
     diff = (pa - pb).abs()
     return {"prompt_logprob_abs_diff_max": diff.max().item(), "prompt_logprob_abs_diff_mean": diff.mean().item(),
             "full_logprob_abs_diff_max": (a - b).abs().max().item(),
-            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+
+def compare(stored: dict, plain: dict, prompt: list[int]) -> dict:
+    a, b = stored.pop("_logprobs"), plain.pop("_logprobs")
+    fp8_kv = {"stored": logprob_diff(stored.pop("_logprobs_fp8_kv"), a, prompt),
+              "bf16": logprob_diff(plain.pop("_logprobs_fp8_kv"), b, prompt)}
+    return {**logprob_diff(a, b, prompt), "fp8_kv_against_model_dtype_kv": fp8_kv,
             "decode_speedup": {k: stored["decode"][k]["tok_s"] / plain["decode"][k]["tok_s"] for k in stored["decode"]},
             "prefill_speedup": {k: stored["prefill"][k]["tok_s"] / plain["prefill"][k]["tok_s"]
                                 for k in stored["prefill"]},
             "weight_memory_ratio": (stored["weight_memory_bytes"] / plain["weight_memory_bytes"]
-                                    if plain.get("weight_memory_bytes") else None),
-            "kv_cache_fp8": "not built (--kv-cache-dtype fp8 is issue 20 item 4, still open)"}
+                                    if plain.get("weight_memory_bytes") else None)}
 
 
-def fits(row: dict, contexts=(4096, 32768, 131072)) -> dict:
-    """Largest batch at each context the KV budget holds (pages of PAGE tokens)."""
-    if not row.get("max_tokens"):
+def fits(row: dict, key: str = "max_tokens", contexts=(4096, 32768, 131072)) -> dict:
+    """Largest batch at each context the KV budget holds (pages of PAGE tokens); `key`: the row's token count
+    (`max_tokens`, or `max_tokens_fp8_kv` with the FP8 KV cache's stored bytes)."""
+    if not row.get(key):
         return {}
-    return {c: row["max_tokens"] // (-(-c // PAGE) * PAGE) for c in contexts}
+    return {c: row[key] // (-(-c // PAGE) * PAGE) for c in contexts}
 
 
 def report(res: dict) -> str:
@@ -217,6 +238,7 @@ def report(res: dict) -> str:
 
     row("weights, GiB allocated", (s["weight_memory_bytes"] or 0) / 2**30, (p["weight_memory_bytes"] or 0) / 2**30)
     row("KV bytes per token", s["kv_bytes_per_token"], p["kv_bytes_per_token"], "{:.0f}")
+    row("KV bytes per token, FP8 KV", s["kv_bytes_per_token_fp8_kv"], p["kv_bytes_per_token_fp8_kv"], "{:.0f}")
     for k in s["prefill"]:
         row(f"prefill {k} tok/s", s["prefill"][k]["tok_s"], p["prefill"][k]["tok_s"], "{:.0f}")
         row(f"prefill {k} MFU", s["prefill"][k].get("mfu"), p["prefill"][k].get("mfu"), "{:.1%}", ratio=False)
@@ -227,7 +249,12 @@ def report(res: dict) -> str:
     lines += ["", f"logprobs (stored vs bf16, prompt tokens): max |d| {c['prompt_logprob_abs_diff_max']:.4f}, mean "
               f"{c['prompt_logprob_abs_diff_mean']:.4f}; top-1 agreement {c['top1_agreement']:.1%}",
               f"largest batch per context (KV budget after weights): stored {res['fits_stored']}, bf16 "
-              f"{res['fits_bf16']}; FP8 KV cache: {c['kv_cache_fp8']}"]
+              f"{res['fits_bf16']}",
+              f"  with the FP8 KV cache (its stored form's bytes): stored {res['fits_stored_fp8_kv']}, bf16 "
+              f"{res['fits_bf16_fp8_kv']}"]
+    for name, d in c["fp8_kv_against_model_dtype_kv"].items():
+        lines.append(f"FP8 KV against the model-dtype KV ({name} weights): max |d| {d['prompt_logprob_abs_diff_max']:.4f},"
+                     f" mean {d['prompt_logprob_abs_diff_mean']:.4f}; top-1 agreement {d['top1_agreement']:.1%}")
     return "\n".join(lines)
 
 
@@ -284,6 +311,8 @@ def main() -> None:
     res["bf16"] = bench_model(path, "none", backend, device, args, prompt, res["floors"])
     res["compare"] = compare(res["stored"], res["bf16"], prompt)
     res["fits_stored"], res["fits_bf16"] = fits(res["stored"]), fits(res["bf16"])
+    res["fits_stored_fp8_kv"] = fits(res["stored"], "max_tokens_fp8_kv")
+    res["fits_bf16_fp8_kv"] = fits(res["bf16"], "max_tokens_fp8_kv")
     args.out.mkdir(parents=True, exist_ok=True)
     name = "stored_precision_quick.json" if quick else "stored_precision.json"
     (args.out / name).write_text(json.dumps(res, indent=2, default=str) + "\n")
