@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from deepserve.core.config import KV_CACHE_DTYPES
+from deepserve.core.config import CSA, KV_CACHE_DTYPES
 
 FP8_BLOCK = 64  # non-RoPE dims per FP8 scale (the reference's KV block)
 FP4_BLOCK = 32  # indexer-key values per FP4 scale
@@ -79,8 +79,15 @@ def fp4_roundtrip(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     blocks, n = _blocks(x.float(), block)
     scale = _pow2_scale(blocks.abs().amax(dim=-1, keepdim=True), E2M1_MAX)
     scaled = blocks / scale
-    magnitude = _E2M1.to(x.device)[torch.bucketize(scaled.abs(), _E2M1_MIDPOINTS.to(x.device))]
+    codes, midpoints = _e2m1_tables(str(x.device))
+    magnitude = codes[torch.bucketize(scaled.abs(), midpoints)]
     return (torch.copysign(magnitude, scaled) * scale).flatten(-2)[..., :n]
+
+
+@lru_cache(maxsize=8)
+def _e2m1_tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e2m1 magnitudes and their midpoints on `device`, made once (no host copy inside a CUDA-graph step)."""
+    return _E2M1.to(device), _E2M1_MIDPOINTS.to(device)
 
 
 @lru_cache(maxsize=8)
@@ -163,6 +170,11 @@ def use_kv_cache_dtype(model: torch.nn.Module, kv_cache_dtype: str) -> KVPrecisi
     """Give every attention layer and compressor of `model` (main layers and MTP blocks) the rounding of
     `kv_cache_dtype`, and the model its `kv_precision` (which the cache's byte accounting reads)."""
     precision = KVPrecision(check_kv_cache_dtype(kv_cache_dtype), model.cfg.qk_rope_head_dim)
+    if precision.fp8:  # the constant tables on the model's device now, not first inside a CUDA-graph capture
+        device = model.lm_head.weight.device
+        _e2m1_tables(str(device))
+        if CSA in model.cfg.layer_types:  # also checks that the indexer's width is a power of two
+            hadamard(torch.zeros(1, model.cfg.index_head_dim, device=device))
     for module in model.modules():
         if isinstance(getattr(type(module), "kv_precision", None), KVPrecision):
             module.kv_precision = precision
