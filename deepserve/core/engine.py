@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepserve.core.kv.prefix_hash import block_hashes
-from deepserve.core.kv.swa_slots import Resume, SWASlots
+from deepserve.core.kv.swa_slots import Resume, SlotSnapshot, SWASlots
 from deepserve.core.kv.tiers import KVTiers, TierStats
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, ChunkInput, ModelExecutor, StepInput, StepMasks, StepOutput
 from deepserve.core.outputs import RequestOutput
@@ -121,6 +121,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SWAReplayCounts:
+    """SWA replays run so far (`mode`: `exact` or `bounded`, the `swa_replay` option) and the tokens they
+    recomputed."""
+
+    mode: str
+    num_replays: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """The engine's numbers at one moment, as a value: what other threads read (the server's metrics), instead of
     the engine's live objects. `EngineCore.snapshot()` makes one on the engine's thread."""
@@ -137,6 +147,8 @@ class EngineSnapshot:
     num_speculative_tokens: int
     spec: SpecDecodeStats | None  # a copy; None without speculative decoding
     kv_tiers: dict[str, TierStats] | None = None  # copies, by tier (`host`, `store`); None without tiers
+    swa_slots: SlotSnapshot | None = None  # None without SWA host slots
+    swa_replay: SWAReplayCounts | None = None  # None without SWA replay (a store that keeps window snapshots)
 
 
 @dataclass(slots=True)
@@ -171,6 +183,7 @@ class EngineCore:
         swa_slots: SWASlots | None = None,
         slot_io: SlotIO | None = None,
         replay_snapshot: Callable[[list[int], int, Sequence[int]], int] | None = None,
+        swa_replay_mode: str = "exact",
     ) -> None:
         """`num_speculative_tokens`: drafts per step when the runner has a proposer (0: no speculation);
         `verify_planner`: DSpark's planner (`plan(confidences, other_tokens=, other_outputs=) -> lengths`,
@@ -210,8 +223,8 @@ class EngineCore:
         self._continued: dict[str, str] = {}  # request -> the key of the slot it was restored from
         self._slot_saves: list[tuple] = []  # (request, session, tokens, salt, continued key): for the next launch
         # SWA replay: `replay_snapshot(table, boundary, token_ids)` rebuilds a hit's last page snapshot (runner side)
-        self.replay_snapshot = replay_snapshot
-        self.num_replayed_tokens = 0
+        self.replay_snapshot, self.swa_replay_mode = replay_snapshot, swa_replay_mode
+        self.num_replayed_tokens = self.num_replays = 0  # written on the runner's thread, read by `snapshot`
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -276,7 +289,10 @@ class EngineCore:
         return EngineSnapshot(len(s.running), len(s.waiting), kv.pool.num_blocks - kv.num_free_blocks,
                               kv.pool.num_blocks, kv.num_prefix_queries, kv.num_prefix_hits, st.num_steps,
                               st.num_prompt_tokens, st.num_generation_tokens, self.num_speculative_tokens, spec,
-                              self.kv_tiers.snapshot() if self.kv_tiers is not None else None)
+                              self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
+                              self.swa_slots.snapshot() if self.swa_slots is not None else None,
+                              SWAReplayCounts(self.swa_replay_mode, self.num_replays, self.num_replayed_tokens)
+                              if self.replay_snapshot is not None else None)
 
     def has_unfinished_requests(self) -> bool:
         """True until every request is done *and* the runner has dropped their state."""
@@ -332,6 +348,7 @@ class EngineCore:
             self.page_io.write(pages, blocks)
         for table, boundary, token_ids in replays:  # after the pages, before the step restores from them
             self.num_replayed_tokens += self.replay_snapshot(table, boundary, token_ids)
+            self.num_replays += 1
         for request_id, table, num_tokens, payload in restores:  # after the pages: a restore starts from them
             self.slot_io.restore_sequence(request_id, table, num_tokens, payload)
         out = self.executor.execute(step)
@@ -530,7 +547,11 @@ class EngineCore:
         restores = []
         for c in step.chunks:
             resume = self._resumes.pop(c.request_id, None)
-            if resume is not None and c.start == resume.num_tokens:
+            if resume is None:
+                continue
+            applied = c.start == resume.num_tokens
+            self.swa_slots.record_restore(applied)
+            if applied:
                 self._continued[c.request_id] = resume.key
                 restores.append((c.request_id, list(c.block_table), resume.num_tokens, resume.payload))
         return restores

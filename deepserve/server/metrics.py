@@ -8,7 +8,12 @@ request in one step) and the acceptance rate at each draft position. The same nu
 vLLM's names where vLLM has a counterpart (`deepserve.server.vllm_metrics`). With cache tiers below the GPU
 (`--host-cache-bytes`, `--kv-store`), `deepserve_kv_tier_*{tier="host"|"store"}` count each tier's prefix hits
 (tokens, bytes), the seconds requests waited for its reads, the blocks written to it and evicted from it, its
-errors and timeouts (each read as a miss) and the writes dropped while too many were in flight.
+errors and timeouts (each read as a miss) and the writes dropped while too many were in flight. With SWA host
+slots (`--swa-host-slots`), `deepserve_swa_slot_*` count the states saved, restored into a next turn, missed
+(no usable slot: none found, a payload that failed its checks, or a prefix hit that did not end at the slot's
+base) and evicted (reused for another session), with the pool's slots, slots in use and one slot's bytes; with
+SWA replay (a store without window snapshots), `deepserve_swa_replays` and `deepserve_swa_replay_tokens`
+count the replays and the tokens they recomputed, labelled by `mode` (`exact` or `bounded`).
 """
 
 from __future__ import annotations
@@ -138,6 +143,10 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(snap.spec)
         if snap.kv_tiers:
             yield from _kv_tier_metrics(snap.kv_tiers)
+        if snap.swa_slots is not None:
+            yield from _swa_slot_metrics(snap.swa_slots)
+        if snap.swa_replay is not None:
+            yield from _swa_replay_metrics(snap.swa_replay)
         stats = _rank_stats(engine)
         if stats is not None:
             yield from _rank_metrics(stats)
@@ -219,6 +228,38 @@ def _kv_tier_metrics(tiers) -> Iterator[Metric]:
         family = CounterMetricFamily(f"deepserve_kv_tier_{name}", help_text, labels=["tier"])
         for tier, stats in tiers.items():
             family.add_metric([tier], getattr(stats, field))
+        yield family
+
+
+_SWA_SLOT_METRICS = (
+    (CounterMetricFamily, "swa_slot_saves", "num_saves", "Sequences whose window state past their last full page "
+     "was saved in an SWA host slot"),
+    (CounterMetricFamily, "swa_slot_restores", "num_restores", "Requests that restored their prompt's tail from an "
+     "SWA host slot instead of recomputing it"),
+    (CounterMetricFamily, "swa_slot_misses", "num_misses", "SWA slot lookups with no usable slot (none saved, a "
+     "payload that failed its checks, or a prefix hit that did not end at the slot's base)"),
+    (CounterMetricFamily, "swa_slot_corrupt", "num_corrupt", "SWA slot payloads that failed their CRC or layout "
+     "check (counted in the misses too)"),
+    (CounterMetricFamily, "swa_slot_evictions", "num_evictions", "SWA host slots reused for another session while "
+     "theirs was unread"),
+    (GaugeMetricFamily, "swa_slots", "num_slots", "SWA host slots in the pool"),
+    (GaugeMetricFamily, "swa_slots_used", "num_slots_used", "SWA host slots holding a saved state"),
+    (GaugeMetricFamily, "swa_slot_bytes", "slot_bytes", "Bytes of one SWA host slot (MXFP8 window state)"),
+)
+
+
+def _swa_slot_metrics(slots) -> Iterator[Metric]:
+    for family, name, field, help_text in _SWA_SLOT_METRICS:
+        yield family(f"deepserve_{name}", help_text, value=getattr(slots, field))
+
+
+def _swa_replay_metrics(replay) -> Iterator[Metric]:
+    for name, value, help_text in (
+        ("swa_replays", replay.num_replays, "Prefix hits whose window snapshot was rebuilt by SWA replay"),
+        ("swa_replay_tokens", replay.num_tokens, "Tokens recomputed by SWA replay"),
+    ):
+        family = CounterMetricFamily(f"deepserve_{name}", help_text, labels=["mode"])
+        family.add_metric([replay.mode], value)
         yield family
 
 

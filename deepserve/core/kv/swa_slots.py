@@ -71,6 +71,22 @@ class SlotStats:
     num_evicted: int = 0  # slots reused for another session while theirs was unread
     num_corrupt: int = 0  # payloads that failed their CRC or layout check (misses)
     num_misses: int = 0  # lookups that found nothing
+    num_applied: int = 0  # found slots the request's first step restored (`record_restore`)
+    num_unused: int = 0  # found slots it could not use: its prefix hit was not exactly the slot's base pages
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    """The slots' counters and the pool's size at one moment, as a value (what `/metrics` reads)."""
+
+    num_saves: int
+    num_restores: int  # states restored into a request (its tail not recomputed)
+    num_misses: int  # lookups with no usable slot: none found, a payload that failed its checks, or not usable
+    num_corrupt: int
+    num_evictions: int
+    num_slots: int
+    num_slots_used: int
+    slot_bytes: int
 
 
 class SlotPool:
@@ -213,6 +229,21 @@ class SWASlots:
             self.directory.put(entry)
             self.stats.num_saved += 1
         return entry
+
+    def record_restore(self, applied: bool) -> None:
+        """Count a found slot as restored into its request (`applied`) or not usable after all."""
+        with self._lock:
+            if applied:
+                self.stats.num_applied += 1
+            else:
+                self.stats.num_unused += 1
+
+    def snapshot(self) -> SlotSnapshot:
+        with self._lock:
+            st = self.stats
+            return SlotSnapshot(st.num_saved, st.num_applied, st.num_misses + st.num_corrupt + st.num_unused,
+                                st.num_corrupt, st.num_evicted, self.pool.num_slots,
+                                self.pool.num_slots - self.pool.num_free, self.pool.slot_bytes)
 
     def find(self, session_id: str | None, prompt_token_ids: Sequence[int], cache_salt: str | None) -> Resume | None:
         """The saved state the prompt continues (its session's, or else the longest sequence it begins with),
