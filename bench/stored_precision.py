@@ -253,8 +253,9 @@ def report(res: dict) -> str:
               f"  with the FP8 KV cache (its stored form's bytes): stored {res['fits_stored_fp8_kv']}, bf16 "
               f"{res['fits_bf16_fp8_kv']}"]
     for name, d in c["fp8_kv_against_model_dtype_kv"].items():
-        lines.append(f"FP8 KV against the model-dtype KV ({name} weights): max |d| {d['prompt_logprob_abs_diff_max']:.4f},"
-                     f" mean {d['prompt_logprob_abs_diff_mean']:.4f}; top-1 agreement {d['top1_agreement']:.1%}")
+        lines.append(f"FP8 KV against the model-dtype KV ({name} weights): max |d| "
+                     f"{d['prompt_logprob_abs_diff_max']:.4f}, mean {d['prompt_logprob_abs_diff_mean']:.4f}; "
+                     f"top-1 agreement {d['top1_agreement']:.1%}")
     return "\n".join(lines)
 
 
