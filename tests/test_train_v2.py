@@ -213,3 +213,66 @@ def test_incremental_greedy_matches_batched_greedy(tiny_model):
     stop = lambda i, ids: len(ids) >= 5 + 3 * i  # noqa: E731
     assert incremental_greedy(tiny_model, prompts, 10, eos=1, stop=stop, check_every=2) == \
         batched_greedy(tiny_model, prompts, 10, eos=1, batch_size=2, stop=stop, check_every=2)
+
+
+# -- the training recipe: the sync-free MoE, the function records, the chat answer's fence ----------------------
+def test_the_training_moe_gives_the_sparse_layers_output_and_gradients(tiny_model):
+    """`train_forward.moe` runs every expert on every token and weighs them by the routing: the reference
+    backend's per-expert loop's output, and the same gradients for every parameter (unchosen experts get none)."""
+    from deepserve.tools.train_forward import moe
+
+    mlp = tiny_model.model.layers[1].mlp  # a routed (not hash) layer
+    x = torch.randn(37, tiny_model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(2, 300, (37,), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for fn in (lambda: mlp(x, ids), lambda: moe(mlp, x, ids)):
+        mlp.zero_grad(set_to_none=True)
+        out = fn()
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append((out.detach(), {n: p.grad.clone() for n, p in mlp.named_parameters() if p.grad is not None}))
+    (ref, ref_g), (got, got_g) = grads
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert ref_g.keys() == got_g.keys() and "experts.gate_up_proj" in got_g
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], atol=1e-5, rtol=1e-5, msg=name)
+    mlp.zero_grad(set_to_none=True)
+
+
+def test_the_sampler_mixes_code_functions_and_chat():
+    """Function sequences start at a record's BOS and pack whole `BOS function EOS` records; the step's
+    sequences split by the shares; a share without function records in the data is refused."""
+    import numpy as np
+
+    from deepserve.tools.train_loop import Sampler, TrainConfig
+
+    rng = np.random.default_rng(0)
+    records = [np.concatenate(([0], rng.integers(2, 50, n), [1])) for n in rng.integers(5, 40, 60)]
+    data = dict(code=rng.integers(2, 50, 5000), code_doc_starts=np.arange(0, 5000, 500),
+                chat=np.concatenate(records), chat_mask=np.ones(sum(map(len, records)), np.uint8),
+                chat_starts=np.cumsum([0] + [len(r) for r in records]),
+                functions=np.concatenate(records).astype(np.uint16),
+                function_starts=np.cumsum([0] + [len(r) for r in records[:-1]]))
+    cfg = TrainConfig(seq_len=64, tokens_per_step=64 * 20, chat_share=0.25, function_share=0.3)
+    s = Sampler(data, cfg)
+    assert (s.num_code, s.num_functions, s.num_chat) == (9, 6, 5)
+    batch = s.batch()
+    assert len(batch) == 20 and all(len(seq) == 65 and len(m) == 64 for seq, m in batch)
+    starts = set(data["function_starts"].tolist())
+    stream = data["functions"].astype(np.int64).tolist()
+    for seq, mask in batch[9:15]:
+        assert seq[0] == 0 and mask.all()
+        at = [i for i in starts if stream[i : i + 65] == seq.tolist()[: min(65, len(stream) - i)]]
+        assert at, "a function window starts at a record"
+    with pytest.raises(ValueError, match="no functions"):
+        Sampler({k: v for k, v in data.items() if not k.startswith("function")}, cfg)
+    with pytest.raises(ValueError, match="chat_share \\+ function_share"):
+        Sampler(data, TrainConfig(chat_share=0.8, function_share=0.3))
+
+
+def test_the_chat_answers_closing_fence_is_on_its_own_line():
+    from deepserve.tools.train_corpus import FunctionPair, chat_text
+
+    pair = FunctionPair("m.py", "add", "(a, b)", "Add two numbers.", 'def add(a, b):\n    """Add."""\n    return a + b')
+    answer = chat_text(pair, random.Random(0)).answer
+    assert answer == '```python\ndef add(a, b):\n    """Add."""\n    return a + b\n```'
+    assert fenced_code_parses(answer)

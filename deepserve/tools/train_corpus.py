@@ -206,7 +206,8 @@ def chat_text(pair: FunctionPair, rng: random.Random, thinking_share: float = 0.
     args = pair.signature[1:-1] or "no arguments"
     what = f"the method `{name}` of `{cls}`" if cls else f"the function `{name}`"
     reasoning = f"The user wants {what}, taking ({args}). I will write it in Python." if thinking else ""
-    return ChatText(pair, thinking, user, reasoning, f"```python\n{pair.source}```")
+    # the closing fence on a line of its own, as Markdown writes it (the source has no trailing newline)
+    return ChatText(pair, thinking, user, reasoning, f"```python\n{pair.source}\n```")
 
 
 def render_prompt(encoding, user: str, thinking: bool) -> list[int]:
@@ -278,7 +279,10 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
                  extra_meta: dict | None = None) -> Path:
     """Tokenizer plus token arrays of the whole corpus in `out` (`tokenizer.json`, `data.npz`, `meta.json`).
 
-    Training code is one stream of `BOS file EOS` records (`code`, starting offsets in `code_doc_starts`); chat
+    Training code is one stream of `BOS file EOS` records (`code`, starting offsets in `code_doc_starts`); the
+    training files' documented functions (every docstring -> function pair, not only the chat sample) are a
+    second stream of `BOS function EOS` records (`functions`, `function_starts`), each dedented to its `def`
+    line: the form of a function header's completion, body included, up to where the function ends; chat
     examples are `chat` with a loss mask over their answer tokens and offsets `chat_starts` (plus an end
     sentinel). The `heldout_*` arrays hold the same for the held-out files.
     """
@@ -307,8 +311,9 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
     tok = tokenizers.Tokenizer.from_file(str(tok_file))
     end_think = tok.token_to_id("</think>")
 
-    def code_stream(fs: list[SourceFile]):
-        encoded = tok.encode_batch([f.text for f in fs], add_special_tokens=False)
+    def code_stream(fs: list[SourceFile] | list[FunctionPair]):
+        encoded = tok.encode_batch([f.text if isinstance(f, SourceFile) else f.source for f in fs],
+                                   add_special_tokens=False)
         starts, pieces, n = [], [], 0
         for e in encoded:
             ids = [BOS, *e.ids, EOS]
@@ -348,6 +353,8 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
         pairs = function_pairs(files)
     train_pairs = [p for p in pairs if not p.held_out]
     held_pairs = [p for p in pairs if p.held_out]
+    functions, function_starts = code_stream(train_pairs) if train_pairs else (np.zeros(0, np.uint16),
+                                                                                 np.zeros(0, np.int64))
     if max_pairs is not None and len(train_pairs) > max_pairs:  # a seeded sample, kept in corpus order
         keep = set(random.Random(seed).sample(range(len(train_pairs)), max_pairs))
         train_pairs = [p for i, p in enumerate(train_pairs) if i in keep]
@@ -356,20 +363,21 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
     counts = np.bincount(np.concatenate((code, chat[chat_mask.astype(bool)])).astype(np.int64), minlength=vocab_size)
     np.savez_compressed(
         out / DATA_FILE, code=code, code_doc_starts=code_starts, chat=chat, chat_mask=chat_mask,
-        chat_starts=chat_starts, heldout_code=held, heldout_doc_starts=held_starts, heldout_chat=hchat,
+        chat_starts=chat_starts, functions=functions, function_starts=function_starts, heldout_code=held, heldout_doc_starts=held_starts, heldout_chat=hchat,
         heldout_chat_mask=hchat_mask, heldout_chat_starts=hchat_starts, token_counts=counts,
     )
     meta = dict(
         python=python_version(), fingerprint=corpus_fingerprint(files), seed=seed, vocab_size=vocab_size,
         num_files=len(files), num_heldout_files=len(held_files), heldout_paths=[f.path for f in held_files],
-        train_code_tokens=int(len(code)), heldout_code_tokens=int(len(held)), num_pairs=len(train_pairs),
+        train_code_tokens=int(len(code)), heldout_code_tokens=int(len(held)), function_tokens=int(len(functions)),
+        num_functions=len(function_starts), num_pairs=len(train_pairs),
         num_heldout_pairs=len(held_pairs), chat_tokens=int(len(chat)), chat_variants=chat_variants,
         heldout_pairs=[dict(path=p.path, qualname=p.qualname, signature=p.signature, doc=p.doc) for p in held_pairs],
         card_chat_prompt_ids=render_prompt(encoding, CARD_CHAT_REQUEST, thinking=False),
         **(extra_meta or {}),
     )
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    log(f"tokens: {len(code):,} code + {len(chat):,} chat for training; {len(held):,} code + {len(hchat):,} chat "
+    log(f"tokens: {len(code):,} code + {len(functions):,} functions + {len(chat):,} chat for training; {len(held):,} code + {len(hchat):,} chat "
         f"held out; {len(train_pairs)} + {len(held_pairs)} docstring->function pairs")
     return out
 

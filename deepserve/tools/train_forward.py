@@ -21,6 +21,7 @@ from deepserve.model.attention import Attention
 from deepserve.model.compressor import _Pooler
 from deepserve.model.decoder import DecoderLayer
 from deepserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from deepserve.model.moe import MoE
 
 
 @dataclass(slots=True)
@@ -123,15 +124,32 @@ def _indexer_kl(mass: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) 
     return kl.sum(dim=-1).mean()
 
 
+def moe(mlp: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`MoE.forward` for training, without a host sync: the reference backend's per-expert loop reads the
+    experts' token counts on the host (`.tolist()`), which stalls the GPU's queue at every MoE site. Here every
+    expert runs on every token and the routing weights, zero off each token's top-k, combine them: the same
+    output and gradients as the sparse layer (an unchosen expert gets weight 0, so no gradient), at
+    `n_routed_experts / num_experts_per_tok` times its FLOPs, which experts of width 64 make cheap next to the
+    stall."""
+    ids, weights = mlp.gate(x, token_ids)
+    w13, w2 = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, D], [E, D, I]
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    dense = dense.scatter_add(1, ids, weights.float())  # [T, E]
+    gate, up = torch.einsum("td,efd->etf", x, w13).chunk(2, dim=-1)
+    y = torch.einsum("etf,edf->etd", mlp.backend.swiglu(gate, up, mlp.limit), w2)
+    routed = torch.einsum("etd,te->td", y.float(), dense)
+    return routed.to(x.dtype) + mlp.shared_experts(x)
+
+
 def decoder_layer(layer: DecoderLayer, streams: torch.Tensor, token_ids: torch.Tensor, p: Pass) -> torch.Tensor:
-    """`DecoderLayer.forward` with the batched attention."""
+    """`DecoderLayer.forward` with the batched attention (and the sync-free MoE)."""
     norm, eps = layer.backend.rms_norm, layer.eps
     x, post, comb = layer.attn_hc.pre(streams)
     a = attention(layer.self_attn, norm(x, layer.input_layernorm.weight, eps), p)
     streams = layer.attn_hc.post(streams, a, post, comb)
     x, post, comb = layer.ffn_hc.pre(streams)
-    f = layer.mlp(norm(x, layer.post_attention_layernorm.weight, eps), token_ids)
-    return layer.ffn_hc.post(streams, f, post, comb)
+    x = norm(x, layer.post_attention_layernorm.weight, eps)
+    return layer.ffn_hc.post(streams, moe(layer.mlp, x, token_ids), post, comb)
 
 
 def main_streams(model: DeepseekV4ForCausalLM, ids: torch.Tensor, p: Pass) -> torch.Tensor:

@@ -48,8 +48,12 @@ class TrainConfig:
     mtp_stride: int = 2
     indexer_weight: float = 0.1
     chat_share: float = 0.25
+    function_share: float = 0.0  # of the sequences: packed `BOS function EOS` records (`train_corpus` functions)
     dense_share: float = 0.5
     bias_update: float = 1e-2
+    #: run the forward under bf16 autocast on a GPU (fp32 master weights and optimizer; the losses and the
+    #: softmaxes stay fp32): the H200's matmuls at bf16 speed
+    bf16: bool = False
     seed: int = 0
 
 
@@ -113,7 +117,9 @@ class Sampler:
     """Reproducible training sequences of `seq_len + 1` tokens with a loss mask over their targets.
 
     Code: a window of the concatenated training files, BOS-prefixed when it starts inside a file (a tenth of
-    them start at a file's beginning). Chat: rendered examples packed back to back, loss on the answers only.
+    them start at a file's beginning). Functions: whole documented functions of the training files (each
+    dedented to its `def` line, as `BOS function EOS`) packed back to back from a random one, loss on every
+    token. Chat: rendered examples packed back to back, loss on the answers only.
     """
 
     def __init__(self, data: dict[str, np.ndarray], cfg: TrainConfig) -> None:
@@ -122,9 +128,19 @@ class Sampler:
         self.chat = data["chat"].astype(np.int64)
         self.chat_mask = data["chat_mask"].astype(bool)
         self.chat_starts = data["chat_starts"].astype(np.int64)
+        self.functions = data["functions"].astype(np.int64) if "functions" in data else np.zeros(0, np.int64)
+        self.function_starts = np.append(data["function_starts"], len(self.functions)).astype(np.int64) \
+            if "function_starts" in data else np.zeros(1, np.int64)
+        if cfg.function_share and len(self.function_starts) < 2:
+            raise ValueError(f"function_share {cfg.function_share} but the data holds no functions (prepare it again)")
+        if not 0 <= cfg.chat_share + cfg.function_share <= 1:
+            raise ValueError(f"chat_share + function_share must lie in [0, 1], got {cfg.chat_share} + "
+                             f"{cfg.function_share}")
         self.L = cfg.seq_len
-        self.num_chat = round(cfg.tokens_per_step // cfg.seq_len * cfg.chat_share)
-        self.num_code = cfg.tokens_per_step // cfg.seq_len - self.num_chat
+        per_step = cfg.tokens_per_step // cfg.seq_len
+        self.num_chat = round(per_step * cfg.chat_share)
+        self.num_functions = round(per_step * cfg.function_share)
+        self.num_code = per_step - self.num_chat - self.num_functions
         self.rng = np.random.default_rng(cfg.seed)
 
     def code_window(self) -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +165,18 @@ class Sampler:
         seq, m = np.concatenate(ids)[: self.L + 1], np.concatenate(mask)[: self.L + 1]
         return seq, m[1:]  # mask[j]: whether target seq[j + 1] counts
 
+    def function_pack(self) -> tuple[np.ndarray, np.ndarray]:
+        starts = self.function_starts
+        first = int(self.rng.integers(0, len(starts) - 1))
+        end = int(np.searchsorted(starts, starts[first] + self.L + 1))  # records until the window is full
+        seq = self.functions[starts[first] : starts[min(end, len(starts) - 1)]][: self.L + 1]
+        if len(seq) < self.L + 1:  # the stream's last records: wrap around to its first ones
+            seq = np.concatenate((seq, self.functions[: self.L + 1 - len(seq)]))
+        return seq, np.ones(self.L, dtype=bool)
+
     def batch(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        return [self.code_window() for _ in range(self.num_code)] + [self.chat_pack() for _ in range(self.num_chat)]
+        return [self.code_window() for _ in range(self.num_code)] \
+            + [self.function_pack() for _ in range(self.num_functions)] + [self.chat_pack() for _ in range(self.num_chat)]
 
 
 # -- one step ----------------------------------------------------------------------------------------------------
@@ -227,15 +253,15 @@ class RouterBalancer:
     @torch.no_grad()
     def update(self) -> float:
         """Apply the bias update; return the worst max/mean load ratio seen this step."""
-        worst = 1.0
+        worst: torch.Tensor | float = 1.0
         for r in self.routers:
             c = self.counts[id(r)]
             if c is None:
                 continue
             r.e_score_correction_bias += self.rate * torch.sign(c.mean() - c)
-            worst = max(worst, float(c.max() / c.mean().clamp(min=1)))
+            worst = torch.maximum(torch.as_tensor(worst, device=c.device), c.max() / c.mean().clamp(min=1))
             self.counts[id(r)] = None
-        return worst
+        return worst  # a tensor on the routers' device (read it on the host only when logging: no sync per step)
 
 
 def build_trainable(model_cfg: ModelConfig, device: str, token_counts: np.ndarray, seed: int):
@@ -260,7 +286,14 @@ def train(
     from tqdm import tqdm
 
     device = model.backend.device
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    cuda = device.startswith("cuda")
+    # the fused AdamW (one kernel for every parameter) on a GPU; autocast only there too
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=True if cuda else None)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.bf16 and cuda)
+
     balancer = RouterBalancer(model, cfg.bias_update)
     calibrate = cfg.warmup_steps // 2 if steps is None else 0
     total = steps or 10**9
@@ -284,20 +317,22 @@ def train(
             group["lr"] = lr_at(step, total, cfg)
         seqs = sampler.batch()
         try:
-            losses = step_losses(model, seqs, device, dense, cfg.mtp_stride, step)
-            loss = losses["main"] + cfg.mtp_weight * losses.get("mtp", 0) + cfg.chain_weight * losses.get("chain", 0) \
-                + cfg.indexer_weight * losses.get("indexer", 0)
+            with autocast():
+                losses = step_losses(model, seqs, device, dense, cfg.mtp_stride, step)
+                loss = losses["main"] + cfg.mtp_weight * losses.get("mtp", 0) \
+                    + cfg.chain_weight * losses.get("chain", 0) + cfg.indexer_weight * losses.get("indexer", 0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         except torch.OutOfMemoryError:
-            if step > 0 or sampler.num_code + sampler.num_chat <= 2:
+            if step > 0 or len(seqs) <= 3:
                 raise
             losses = loss = None
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             sampler.num_code, sampler.num_chat = max(1, sampler.num_code // 2), max(1, sampler.num_chat // 2)
+            sampler.num_functions = (sampler.num_functions + 1) // 2
             log(f"out of memory: {len(seqs)} sequences per step is too many; now "
-                f"{sampler.num_code + sampler.num_chat}")
+                f"{sampler.num_code + sampler.num_functions + sampler.num_chat}")
             continue
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -308,7 +343,7 @@ def train(
         if step % 25 == 0 or step == total:
             vals = {k: float(v.detach()) for k, v in losses.items()}
             elapsed = time.time() - t0
-            row = dict(step=step, lr=lr_at(step - 1, total, cfg), gnorm=float(gnorm), imbalance=imbalance,
+            row = dict(step=step, lr=lr_at(step - 1, total, cfg), gnorm=float(gnorm), imbalance=float(imbalance),
                        dense=dense, elapsed_s=round(elapsed, 1), tok_per_s=round(tokens / elapsed), **vals)
             history.append(row)
             bar.set_postfix(main=f"{vals['main']:.3f}", mtp=f"{vals.get('mtp', 0):.3f}")
