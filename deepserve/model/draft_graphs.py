@@ -164,7 +164,7 @@ class DraftChainGraphs:
         meta = host_meta.to(device)
         tokens = torch.zeros((k, rows), dtype=torch.long, device=device)
         cfg = self.model.cfg
-        prev = torch.zeros((rows, cfg.hc_mult, cfg.hidden_size), dtype=self.model.lm_head.weight.dtype,
+        prev = torch.zeros((rows, cfg.hc_mult, cfg.hidden_size), dtype=self.model.model.embed_tokens.weight.dtype,
                            device=device)
         confidences = torch.zeros((k - 1, rows), dtype=torch.float32, device=device)
         arange = torch.arange(rows, device=device)

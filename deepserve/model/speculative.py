@@ -113,6 +113,12 @@ class Proposer(ABC):
     #: the model's state owners this proposer drafts with (`model.state_owners()` names them)
     state_owners: tuple[str, ...] = ()
 
+    def capture_graphs(self, cache, max_batch: int, batch_sizes=None, capture: bool | None = None) -> int:
+        """Capture the drafter's fixed-shape work over `cache` as CUDA graphs, every batch bucket (`batch_sizes`,
+        default `cuda_graphs.batch_buckets(max_batch)`) now: the engine calls this at start-up where the backend
+        has CUDA graphs and eager mode is off. Returns how many were made; the default drafts eagerly (0)."""
+        return 0
+
     @abstractmethod
     def propose(self, streams: torch.Tensor, chunks: list[DraftChunk], sampling: "RowSampling") -> Drafts | None:
         """Bring every chunk's drafter state up to its committed length and draft `num_drafts` tokens for the
