@@ -39,8 +39,9 @@ class LLM:
     `DEEPSERVE_SPECULATIVE_CONFIG`) turns on speculative decoding with a proposer registered through
     `deepserve_register_proposers` (docs/speculative.md). On a backend that supports it (NVIDIA with its Triton
     kernels), decode steps replay CUDA graphs captured per batch-size bucket on first use
-    (`deepserve.model.cuda_graphs`); `enforce_eager=True` launches every kernel instead. Speculative decoding
-    runs eagerly.
+    (`deepserve.model.cuda_graphs`); `enforce_eager=True` launches every kernel instead. With speculative
+    decoding, steps that verify no drafts replay the decode graphs and the MTP drafter's chain replays its own
+    (`deepserve.model.draft_graphs`); verify steps run eagerly.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
