@@ -5,8 +5,10 @@ runner, the DSpark proposer if asked, and the same KV manager, scheduler and `En
 The states live in the KV manager's pages (`paged.V41PagedStates`: the kv sources' rows and index keys, and
 each page's boundary snapshot for prefix hits; rings and open groups per sequence slot), as many pages as
 `kv_cache_bytes` holds. `speculative_config` method `dspark` drafts with V4.1's DSpark blocks
-(`plugins/speculative/dspark_v41.py`). The V4.1 path runs on the CPU in the reference's bf16 dataflow; options
-it does not have yet (a device backend, cache tiers, scale-out) are refused by name.
+(`plugins/speculative/dspark_v41.py`). The V4.1 path runs the reference's bf16 dataflow in torch ops, on the CPU
+(bit for bit the reference's) or on a CUDA device (model, states and pages there; the FP8/FP4 weights in their
+dense bf16 form, `numerics.QuantWeight.to`); options it does not have yet (cache tiers, scale-out) are refused
+by name.
 """
 
 from __future__ import annotations
@@ -53,9 +55,8 @@ def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
     named = [k for k, on in refused.items() if on]
     if named:
         raise ValueError(f"the V4.1 engine path does not take {', '.join(named)} yet")
-    if device.type != "cpu":
-        raise ValueError(f"the V4.1 engine path runs on the CPU so far (its model has no {device.type} kernels); "
-                         "pass accelerator='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the V4.1 engine path runs on the CPU or a CUDA device, not {device.type}")
     if config.dtype not in ("auto", "bfloat16"):
         raise ValueError(f"dtype {config.dtype!r}: V4.1 runs the reference's bf16 dataflow over its stored "
                          "FP8/FP4 weights (dtype 'auto' or 'bfloat16')")
@@ -92,7 +93,10 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
     from .runner import V41ModelRunner
 
     _refuse_unsupported(config, torch.device(backend.device))
+    device = torch.device(backend.device)
     model = load_v41(config.model)
+    if device.type != "cpu":
+        model.to_device(device)
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
@@ -104,7 +108,7 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
     num_pages = min(pages_for_budget(budget, bytes_per_page(owners, block_size)),
                     max_num_seqs * math.ceil(max_model_len / block_size))
     kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
-    states = V41PagedStates(owners, max_num_seqs, num_pages, block_size)
+    states = V41PagedStates(owners, max_num_seqs, num_pages, block_size, device=device)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
     planner = proposer.planner if proposer is not None else None
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,

@@ -177,7 +177,19 @@ def load_v41(model_dir: str | Path, engram_device: str | None = None) -> Deepsee
 
 
 def load_state(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    c, r = model.cfg, _Reader(tensors)
+    r = _Reader(tensors)
+    fill_weights(model, r)
+    # the vision tower and aligner are not built (text only: image inputs are refused), so their tensors are
+    # expected and skipped; anything else unplaced is an error
+    left = sorted(n for n in set(tensors) - r.used if not n.startswith(_VISION_PREFIXES))
+    if left:
+        raise V41CheckpointError(f"{len(left)} checkpoint tensors match nothing in the config, e.g. {left[:5]}")
+
+
+def fill_weights(model: DeepseekV41ForCausalLM, r) -> None:
+    """Set every weight of `model` from the reader `r` (`_Reader` over a checkpoint's tensors; a benchmark's
+    synthetic reader gives each name a random tensor of the shape and kind asked for)."""
+    c = model.cfg
     bf16, f32 = torch.bfloat16, torch.float32
     model.embed = r.tensor("embed.weight", bf16, (c.vocab_size, c.dim))
     model.norm = r.tensor("norm.weight", bf16, (c.dim,))
@@ -198,8 +210,3 @@ def load_state(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor]) 
         model.markov_embed = r.tensor(last + "markov_head.embed.weight", bf16, (c.vocab_size, c.dspark_markov_rank))
         model.markov_head = r.tensor(last + "markov_head.head.weight", f32, (c.vocab_size, c.dspark_markov_rank))
         model.confidence = r.tensor(last + "confidence_head.proj.weight", f32, (1, c.dim + c.dspark_markov_rank))
-    # the vision tower and aligner are not built (text only: image inputs are refused), so their tensors are
-    # expected and skipped; anything else unplaced is an error
-    left = sorted(n for n in set(tensors) - r.used if not n.startswith(_VISION_PREFIXES))
-    if left:
-        raise V41CheckpointError(f"{len(left)} checkpoint tensors match nothing in the config, e.g. {left[:5]}")

@@ -104,6 +104,19 @@ class DeepseekV41ForCausalLM(nn.Module):
     def make_state(self, device=None) -> V41SequenceState:
         return contiguous_state(self.state_owners(), device or "cpu")
 
+    def to_device(self, device) -> "DeepseekV41ForCausalLM":
+        """Move every weight to `device` (in place; returns the model). The loader keeps most weights as plain
+        attributes (tensors, `QuantWeight`s, `Expert`s) rather than parameters, so `nn.Module.to` alone would
+        move only the buffers. On a CUDA device a `QuantWeight` takes its dense bf16 form (`QuantWeight.to`).
+        Engram tables placed elsewhere (`load_v41(..., engram_device=)`) stay there."""
+        device = torch.device(device)
+        self.to(device)  # buffers (RoPE frequencies, unplaced Engram tables) and Engram's parameters
+        for module in self.modules():
+            for name, value in list(vars(module).items()):
+                if not name.startswith("_") and name not in ("cfg", "backend", "hasher"):
+                    setattr(module, name, _moved(value, device))
+        return self
+
     # -- forward -----------------------------------------------------------------------------------------------
     def embed_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.embed[ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
@@ -247,3 +260,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             toks.append(int(logits[i].argmax()))
         conf = F.linear(torch.cat([hidden, torch.stack(embeds)], dim=-1).float(), self.confidence).squeeze(-1)
         return DSparkDraft(tokens=toks[1:], logits=logits, confidence_logit=conf)
+
+
+def _moved(value, device):
+    """`value` on `device` if it is a weight (a tensor, a `QuantWeight`, an `Expert`, or a list or tuple of
+    them); anything else as it is."""
+    from .moe import Expert
+
+    if isinstance(value, (torch.Tensor, QuantWeight, Expert)):
+        return value.to(device)
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (torch.Tensor, QuantWeight, Expert)) for v in value):
+        return type(value)(v.to(device) for v in value)
+    return value
