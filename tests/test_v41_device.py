@@ -55,3 +55,29 @@ def test_the_dense_form_computes_the_block_gemm_up_to_rounding():
         assert torch.equal(w.dequantized().to(torch.bfloat16).float(), w.dequantized())  # exact in bf16
         rel = (dense - block).norm() / block.norm()
         assert rel < 1e-2, rel  # bf16 output rounding, in another order of additions
+
+
+def test_sequences_attended_together_match_each_alone():
+    """The device path's batched decode attention (`model._attend_together`: the sequences' keys side by side,
+    one sparse attention) computes, on the CPU, each sequence's own attention up to rounding."""
+    from deepserve.model.v41.attention import Shared
+    from deepserve.model.v41.model import _attend_together
+
+    torch.set_num_threads(1)
+    model = load_v41(TINY)
+    g = torch.Generator().manual_seed(2)
+    states = [model.make_state() for _ in range(3)]
+    for st, n in zip(states, (6, 40, 90)):
+        model.forward(torch.randint(3, 500, (n,), generator=g).tolist(), st)
+    attn, j = model.layers[4].attn, 4  # the ratio-1 kv source: window and compressed picks
+    x = torch.randn(3, model.cfg.dim, generator=g).to(torch.bfloat16)
+    qr, q_lin, kv_lin = attn.project_in(x, apart=True)
+    rows = lambda sts: [(x[i : i + 1], qr[i : i + 1], q_lin[i : i + 1], kv_lin[i : i + 1], st.num_tokens,
+                         st.layers[j], st, Shared()) for i, st in enumerate(sts)]
+    copies = [model.make_state() for _ in states]
+    for c, st in zip(copies, states):
+        c.load(st.save())
+    alone = torch.cat([attn.attend(*r) for r in rows(states)]).float()
+    together = _attend_together(attn, [attn.gather_keys(*r) for r in rows(copies)]).float()
+    assert together.shape == alone.shape == (3, model.cfg.n_heads, model.cfg.head_dim)
+    assert (together - alone).abs().max() <= 0.02 * alone.abs().max()

@@ -134,6 +134,13 @@ class Attention(nn.Module):
     def attend(self, x, qr, q_lin, kv_lin, start: int, st: LayerState, seq: V41SequenceState, shared: Shared):
         """One sequence's attention over its state from `project_in`'s outputs; [S, heads, hd] before the
         output projection (RoPE undone)."""
+        q, kv, cols, rot = self.gather_keys(x, qr, q_lin, kv_lin, start, st, seq, shared)
+        return rope_tail(sparse_attention(q, kv, self.sink, cols, self.hd**-0.5), rot, self.rd, inverse=True)
+
+    def gather_keys(self, x, qr, q_lin, kv_lin, start: int, st: LayerState, seq: V41SequenceState,
+                    shared: Shared):
+        """`attend` up to the attention itself: the state updated with the new tokens, and (queries [S, heads,
+        hd] with RoPE, the keys they may read [N, hd], each query's key list [S, T] into them, the rotations)."""
         s = x.shape[0]
         rot = rope_table(self.inv_freq, torch.arange(start, start + s))
         q = rope_tail(q_lin.unflatten(-1, (self.heads, self.hd)), rot, self.rd)
@@ -147,8 +154,7 @@ class Attention(nn.Module):
             # every query lists `index_topk` picks (-1 past the rows it sees), whatever the forward's length
             pad = picks.new_full((s, self.cfg.index_topk - picks.shape[-1]), -1)
             cols = torch.cat([cols, picks, pad], dim=-1)
-        o = sparse_attention(q, kv, self.sink, cols, self.hd**-0.5)
-        return rope_tail(o, rot, self.rd, inverse=True)
+        return q, kv, cols, rot
 
     def project_out(self, o: torch.Tensor, apart: bool = False) -> torch.Tensor:
         g = self.cfg.o_groups

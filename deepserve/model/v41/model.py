@@ -19,7 +19,8 @@ from .attention import Attention, DSparkAttention, Shared
 from .config import V41Config
 from .engram import Engram, EngramHasher
 from .moe import MoE
-from .numerics import GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, per_row, rms_norm
+from .numerics import (GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, per_row, rms_norm,
+                       rope_tail, sparse_attention)
 from .state import EngramStateSpec, V41SequenceState, contiguous_state, dspark_specs, layer_specs
 
 
@@ -206,9 +207,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
             def attend(x, attn=blk.attn, j=j):
                 qr, q_lin, kv_lin = attn.project_in(x, apart=True)
-                o = [attn.attend(x[i : i + 1], qr[i : i + 1], q_lin[i : i + 1], kv_lin[i : i + 1], starts[i],
-                                 st.layers[j], st, shared[i]) for i, st in enumerate(states)]
-                return attn.project_out(torch.cat(o), apart=True)
+                rows = [(x[i : i + 1], qr[i : i + 1], q_lin[i : i + 1], kv_lin[i : i + 1], starts[i], st.layers[j],
+                         st, shared[i]) for i, st in enumerate(states)]
+                if x.device.type == "cpu":  # each sequence's attention as its own decode step computes it
+                    return attn.project_out(torch.cat([attn.attend(*r) for r in rows]), apart=True)
+                return attn.project_out(_attend_together(attn, [attn.gather_keys(*r) for r in rows]))
 
             h, pre = blk(h, pre, attend, 1, apart=True)
         for st, start in zip(states, starts):
@@ -273,3 +276,17 @@ def _moved(value, device):
             isinstance(v, (torch.Tensor, QuantWeight, Expert)) for v in value):
         return type(value)(v.to(device) for v in value)
     return value
+
+
+def _attend_together(attn, gathered: list[tuple]) -> torch.Tensor:
+    """Several sequences' decode queries in one `sparse_attention` (on a device; no bit-equality claim there):
+    their keys side by side, each key list shifted to its sequence's keys (-1 kept)."""
+    qs, kvs, cols, rots = zip(*gathered)
+    base = 0
+    shifted = []
+    for kv, c in zip(kvs, cols):
+        shifted.append(torch.where(c >= 0, c + base, -1))
+        base += kv.shape[0]
+    rot = torch.cat(rots)
+    o = sparse_attention(torch.cat(qs), torch.cat(kvs), attn.sink, torch.cat(shifted), attn.hd**-0.5)
+    return rope_tail(o, rot, attn.rd, inverse=True)

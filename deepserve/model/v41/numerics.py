@@ -10,6 +10,7 @@ bf16 probabilities. These are plain torch ops (CPU or CUDA).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -216,6 +217,18 @@ def rope_inv_freq(dim: int, base: float, original_seq_len: int, factor: float, b
 
 
 _ROPE_TABLES: dict[tuple, torch.Tensor] = {}
+_FREQ_KEYS: dict[int, tuple] = {}  # id(inv_freq) -> (a weak reference to it, its table key)
+
+
+def _freq_key(inv_freq: torch.Tensor) -> tuple:
+    """The table key of a frequency set (its values), read once per tensor: reading a device tensor's values
+    is a host sync, which a forward would otherwise pay at every RoPE call."""
+    hit = _FREQ_KEYS.get(id(inv_freq))
+    if hit is not None and hit[0]() is inv_freq:
+        return hit[1]
+    key = (inv_freq.device, inv_freq.shape[0], tuple(inv_freq.tolist()))
+    _FREQ_KEYS[id(inv_freq)] = (weakref.ref(inv_freq), key)
+    return key
 
 
 def rope_table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -224,7 +237,7 @@ def rope_table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     Rows come from one table per frequency set over a power-of-two range of positions, formed in one call as
     the reference precomputes its table: torch's vectorized sin/cos can differ in the last ulp from its scalar
     tail, so the rotation of a position must not depend on how many positions a call happens to ask for."""
-    key = (inv_freq.device, inv_freq.shape[0], tuple(inv_freq.tolist()))
+    key = _freq_key(inv_freq)
     need = int(positions.max()) + 1 if positions.numel() else 1
     table = _ROPE_TABLES.get(key)
     if table is None or table.shape[0] < need:
