@@ -4,9 +4,12 @@ byte accounting at V4-Flash's shapes, and the engine in fp8 mode against the mod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import deepserve
 from deepserve import LLM, SamplingParams
 from deepserve.core.config import EngineConfig
 from deepserve.model import quant
@@ -14,13 +17,15 @@ from deepserve.model.kv_cache import specs_bytes_per_page
 from deepserve.model.kv_precision import KVPrecision, fp4_roundtrip, fp8_roundtrip, hadamard
 from deepserve.model.state import LayerStateSpec, StreamSpec
 
-#: how far a prompt token's logprob may move when the tiny model's KV cache goes from fp32 to fp8: at most
-#: LOGPROB_BOUND, LOGPROB_MEAN_BOUND on average. The tiny random model is chaotic (spec section 6: a bf16 model
-#: differs from fp32 by 1.8 on its logits), and its rows are only 16 non-RoPE dims with 16-wide FP4 indexer keys
-#: choosing 4 rows. Measured on this prompt: fp8 max 0.65, mean 0.068 (FP8 rows alone: 0.51 / 0.043); the bf16
-#: cache: max 0.11, mean 0.0023.
-LOGPROB_BOUND = 1.0
-LOGPROB_MEAN_BOUND = 0.15
+#: how far a prompt token's logprob may move when the KV cache goes from fp32 to fp8, on the embedded (trained)
+#: model: at most LOGPROB_BOUND, LOGPROB_MEAN_BOUND on average (measured on TEXT's 218 tokens: max 0.074, mean
+#: 0.0063; a bf16 cache: 0.053 / 0.0010); greedy (top-1) tokens equal where the fp32 top-2 margin is at least twice
+#: the bound (148 positions; 215 of 218 agree overall).
+LOGPROB_BOUND = 0.1
+LOGPROB_MEAN_BOUND = 0.02
+EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
+TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
+        "market town, and later a port; its old bridge, its cathedral and its university still stand. ") * 3
 
 
 def test_fp8_rows_match_the_block_quantizer_with_power_of_two_scales():
@@ -120,7 +125,7 @@ def test_cli_flag_reaches_the_engine_options():
 PROMPT = [(7 * i + 3) % 500 + 2 for i in range(150)]
 
 
-def _run(llm, prompt=PROMPT, max_tokens=12, prompt_logprobs=1):
+def _run(llm, prompt=PROMPT, max_tokens=12, prompt_logprobs=2):
     """Greedy; prompt logprobs (None: none, so that the prompt may come from the prefix cache)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, prompt_logprobs=prompt_logprobs)
     return llm.generate([prompt], params, use_tqdm=False)[0]
@@ -135,22 +140,26 @@ def fp8_llm(tiny_dir):
     return LLM(tiny_dir, dtype="float32", accelerator="cpu", kv_cache_dtype="fp8", block_size=128)
 
 
-def test_fp8_engine_against_the_model_dtype(tiny_dir, fp8_llm):
-    exact = _run(LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=128))
-    fp8 = _run(fp8_llm)
-    bf16 = _run(LLM(tiny_dir, dtype="float32", accelerator="cpu", block_size=128, kv_cache_dtype="bf16"), max_tokens=1)
-    diff = (_prompt_logprobs(exact) - _prompt_logprobs(fp8)).abs()
+def test_fp8_engine_against_the_model_dtype():
+    runs = {kv: LLM(EMBEDDED, dtype="float32", accelerator="cpu", block_size=128, kv_cache_dtype=kv)
+            for kv in ("auto", "fp8", "bf16")}
+    prompt = runs["auto"].tokenizer.encode(TEXT)
+    assert len(prompt) > 100  # CSA rows past the indexer's top-k: its FP4 keys choose
+    exact, fp8, bf16 = (_run(runs[kv], prompt, max_tokens=1) for kv in ("auto", "fp8", "bf16"))
+    diff = (_prompt_logprobs(exact, prompt) - _prompt_logprobs(fp8, prompt)).abs()
     assert diff.max() < LOGPROB_BOUND and diff.mean() < LOGPROB_MEAN_BOUND
-    # the rounding is on, and coarser than bf16's (3 mantissa bits against 8: measured 30x on average)
-    bf16_diff = (_prompt_logprobs(exact) - _prompt_logprobs(bf16)).abs()
-    assert 0 < bf16_diff.mean() < diff.mean() / 4
-    # greedy tokens agree up to the first step whose top-2 margin (in the fp32 run) is within twice the bound
-    ref_tokens, tokens = exact.outputs[0].token_ids, fp8.outputs[0].token_ids
-    for i, (step, token) in enumerate(zip(exact.outputs[0].logprobs, ref_tokens)):
-        top = sorted((e.logprob for e in step.values()), reverse=True)
-        if len(top) > 1 and top[0] - top[1] < 2 * LOGPROB_BOUND:
-            break
-        assert tokens[i] == token, f"step {i}: fp8 chose {tokens[i]}, fp32 {token} with margin {top[0] - top[1]}"
+    # the rounding is on, and coarser than bf16's (3 mantissa bits against 8: measured 8x on average)
+    bf16_diff = (_prompt_logprobs(exact, prompt) - _prompt_logprobs(bf16, prompt)).abs()
+    assert 0 < bf16_diff.mean() < diff.mean() / 3
+    # the greedy choice at every prompt position (teacher-forced: one near-tie does not carry on) agrees wherever
+    # the fp32 run's top-2 margin is at least twice the bound
+    checked = 0
+    for ref, got in zip(exact.prompt_logprobs[1:], fp8.prompt_logprobs[1:]):
+        top = sorted(ref.items(), key=lambda kv: -kv[1].logprob)
+        if top[0][1].logprob - top[1][1].logprob >= 2 * LOGPROB_BOUND:
+            assert max(got.items(), key=lambda kv: kv[1].logprob)[0] == top[0][0]
+            checked += 1
+    assert checked >= 50
 
 
 def test_fp8_engine_is_exact_against_itself_across_chunking_and_prefix_hits(tiny_dir, fp8_llm):
@@ -185,3 +194,22 @@ def test_fp8_engine_names_its_precision_and_stored_bytes(fp8_llm):
     assert stored < 0.85 * bf16
     namespace = kv_namespace(fp8_llm.config, model, P, {"layers.csa": 1})
     assert namespace.split("/")[3] == "fp8_e4m3"
+
+
+def test_fp8_static_decode_equals_the_paged_decode(tiny_dir, fp8_llm):
+    """The fixed-shape decode step CUDA graphs capture (run eagerly here) in fp8 mode: it skips the fused
+    compressor kernel and rounds its rows as the paged path does, so the outputs are the same bits."""
+    from deepserve.model.cuda_graphs import DecodeGraphs
+
+    paged = _run(fp8_llm, prompt_logprobs=None)
+    llm = LLM(tiny_dir, dtype="float32", accelerator="cpu", kv_cache_dtype="fp8", block_size=128,
+              enable_prefix_caching=False)
+    llm.runner.graphs = DecodeGraphs(llm.model, llm.cache, 4, 4, capture=False)
+    calls = []
+    forward = llm.runner.graphs.forward
+    llm.runner.graphs.forward = lambda b, s: calls.append(len(s)) or forward(b, s)
+    static = _run(llm, prompt_logprobs=None)
+    assert len(calls) >= 10  # the decode steps went through it
+    assert static.outputs[0].token_ids == paged.outputs[0].token_ids
+    assert [{t: e.logprob for t, e in s.items()} for s in static.outputs[0].logprobs] == \
+        [{t: e.logprob for t, e in s.items()} for s in paged.outputs[0].logprobs]

@@ -18,11 +18,11 @@ from deepserve.model.kv_precision import KVPrecision, fp4_roundtrip, fp8_roundtr
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-#: the tiny model's bounds of tests/test_kv_fp8.py (measured there in fp32: max 0.65, mean 0.068); the bf16 model
-#: adds bf16's own noise to both runs
-LOGPROB_BOUND = 1.0
-LOGPROB_MEAN_BOUND = 0.15
-PROMPT = [(7 * i + 3) % 500 + 2 for i in range(150)]
+#: the embedded model's bounds of tests/test_kv_fp8.py (fp32 there: measured max 0.074, mean 0.0063), loosened for
+#: the bf16 model's own noise in both runs
+LOGPROB_BOUND = 0.2
+LOGPROB_MEAN_BOUND = 0.03
+PROMPT = [(7 * i + 3) % 500 + 2 for i in range(150)]  # for the tiny random model
 
 
 def test_rounding_on_the_device_equals_the_cpu_emulation():
@@ -45,28 +45,34 @@ def tiny_dir(tmp_path_factory):
     return tiny.save_hf_checkpoint(tiny.make_hf_model(seed=0), tmp_path_factory.mktemp("tiny-kv-fp8-gpu"))
 
 
-def _run(llm, max_tokens=16):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, prompt_logprobs=1, ignore_eos=True)
-    return llm.generate([PROMPT], params, use_tqdm=False)[0]
+def _run(llm, prompt=PROMPT, max_tokens=16):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0]
 
 
-def _prompt_logprobs(out):
-    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(PROMPT) if i > 0])
+def _prompt_logprobs(out, prompt=PROMPT):
+    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
 
 
-def test_engine_fp8_against_bf16_kv_on_nvidia(tiny_dir):
-    bf16 = _run(LLM(tiny_dir, accelerator="nvidia", block_size=128))
-    fp8_llm = LLM(tiny_dir, accelerator="nvidia", block_size=128, kv_cache_dtype="fp8")
+def test_engine_fp8_against_bf16_kv_on_nvidia():
+    from test_kv_fp8 import EMBEDDED, TEXT
+
+    bf16_llm = LLM(EMBEDDED, accelerator="nvidia", block_size=128)
+    prompt = bf16_llm.tokenizer.encode(TEXT)
+    bf16 = _run(bf16_llm, prompt)
+    fp8_llm = LLM(EMBEDDED, accelerator="nvidia", block_size=128, kv_cache_dtype="fp8")
     assert fp8_llm.graphs is not None  # the decode steps replay CUDA graphs with the rounding inside
-    fp8 = _run(fp8_llm)
-    diff = (_prompt_logprobs(bf16) - _prompt_logprobs(fp8)).abs()
+    fp8 = _run(fp8_llm, prompt)
+    diff = (_prompt_logprobs(bf16, prompt) - _prompt_logprobs(fp8, prompt)).abs()
     print(f"fp8 KV against bf16 KV on the GPU: max {diff.max():.4f}, mean {diff.mean():.4f}")
     assert diff.max() < LOGPROB_BOUND and diff.mean() < LOGPROB_MEAN_BOUND and diff.max() > 0
-    for i, (step, token) in enumerate(zip(bf16.outputs[0].logprobs, bf16.outputs[0].token_ids)):
-        top = sorted((e.logprob for e in step.values()), reverse=True)
-        if len(top) > 1 and top[0] - top[1] < 2 * LOGPROB_BOUND:
-            break
-        assert fp8.outputs[0].token_ids[i] == token
+    checked = 0
+    for ref, got in zip(bf16.prompt_logprobs[1:], fp8.prompt_logprobs[1:]):  # greedy, teacher-forced
+        top = sorted(ref.items(), key=lambda kv: -kv[1].logprob)
+        if top[0][1].logprob - top[1][1].logprob >= 2 * LOGPROB_BOUND:
+            assert max(got.items(), key=lambda kv: kv[1].logprob)[0] == top[0][0]
+            checked += 1
+    assert checked >= 30
 
 
 def test_fp8_graphs_equal_eager_and_the_reference(tiny_dir):
