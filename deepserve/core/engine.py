@@ -221,7 +221,8 @@ class EngineCore:
         self._sessions: dict[str, str | None] = {}  # request -> its session_id, for its slot
         self._resumes: dict[str, Resume] = {}  # request -> the slot its first chunk restores
         self._continued: dict[str, str] = {}  # request -> the key of the slot it was restored from
-        self._slot_saves: list[tuple] = []  # (request, session, tokens, salt, continued key): for the next launch
+        # saves submitted to the runner's thread and maybe not done: a new request's slot lookup waits for them
+        self._slot_saves: list[Future] = []
         # SWA replay: `replay_snapshot(table, boundary, token_ids)` rebuilds a hit's last page snapshot (runner side)
         self.replay_snapshot, self.swa_replay_mode = replay_snapshot, swa_replay_mode
         self.num_replayed_tokens = self.num_replays = 0  # written on the runner's thread, read by `snapshot`
@@ -311,12 +312,11 @@ class EngineCore:
         if masks is not None and self._in_flight is None:
             outputs += self._fill_masks(masks)  # nothing in flight: the matchers are up to date, fill before launch
         copies, self._copies_in = self._copies_in, []
-        saves, self._slot_saves = self._slot_saves, []
         restores, replays = self._slot_restores(step_input), self._snapshot_replays(step_input)
-        launched = (plan, self._worker.submit(self._run, step_input, copies, saves, restores, replays)) \
+        launched = (plan, self._worker.submit(self._run, step_input, copies, restores, replays)) \
             if plan.chunks or plan.finished_request_ids or plan.preempted_request_ids else None
         if launched is None:
-            self._copies_in, self._slot_saves = copies, saves
+            self._copies_in = copies
         outputs += self._finish_in_flight(masks)
         self._in_flight = launched
         if masks is not None and not masks.masks.bitmask.done():
@@ -337,13 +337,11 @@ class EngineCore:
         if self.kv_tiers is not None:
             self.kv_tiers.close()  # the store writes in flight finish (each within the store's deadline)
 
-    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = (), saves=(), restores=(),
-             replays=()) -> StepOutput:
+    def _run(self, step: StepInput, copies: list[tuple[list[int], list]] = (), restores=(), replays=()) \
+            -> StepOutput:
         began = time.perf_counter()
         if self._last_end is not None and step.chunks:
             self.stats.host_gaps.append(began - self._last_end)
-        for save in saves:  # before the step frees their states
-            self._save_slot(*save)
         for pages, blocks in copies:  # blocks loaded from a lower tier, into their pages before anything reads them
             self.page_io.write(pages, blocks)
         for table, boundary, token_ids in replays:  # after the pages, before the step restores from them
@@ -516,11 +514,18 @@ class EngineCore:
 
     # -- SWA host slots ------------------------------------------------------------------------------------------
     def _find_slot(self, request: Request, session_id: str | None) -> None:
-        """Look up the slot the request continues (a miss on any doubt: the request then computes its tail)."""
+        """Look up the slot the request continues (a miss on any doubt: the request then computes its tail).
+        Saves still on the runner's thread are waited for first, so a conversation's next turn, sent the moment
+        its previous turn's response arrived, finds that turn's slot: at most the step in flight (the save runs
+        right after it), and only when a save is pending. The wait cannot deadlock: between `step()` calls the
+        step in flight waits on nothing of this thread's (its grammar masks are filled before `step()` returns)."""
         rid = request.request_id
         self._sessions[rid] = session_id
         if request.sampling_params.prompt_logprobs is not None or not self.enable_prefix_caching:
             return
+        pending, self._slot_saves = [f for f in self._slot_saves if not f.done()], []
+        if pending:
+            wait(pending)
         resume = self.swa_slots.find(session_id, request.prompt_token_ids, request.cache_salt)
         if resume is not None:
             self._resumes[rid] = resume
@@ -532,13 +537,17 @@ class EngineCore:
         self._continued.pop(request_id, None)
 
     def _queue_slot_save(self, request: Request) -> None:
-        """A finished request's state goes to a slot before the step that frees it (not an aborted one's)."""
+        """A finished request's state goes to a slot (not an aborted one's), on the runner's thread now: after the
+        step in flight (whose plan did not know of the finish, so it frees nothing of the request's) and before
+        the next, whose plan reports the finish and so frees the request's state. Not with the next launch: a
+        next turn arriving before it would miss the slot."""
         session_id = self._sessions.pop(request.request_id, None)
         self._resumes.pop(request.request_id, None)
         continued = self._continued.pop(request.request_id, None)
         if self.swa_slots is not None and request.finish_reason != "abort":
-            self._slot_saves.append((request.request_id, session_id, tuple(request.all_token_ids),
-                                     request.cache_salt, continued))
+            self._slot_saves = [f for f in self._slot_saves if not f.done()]
+            self._slot_saves.append(self._worker.submit(self._save_slot, request.request_id, session_id,
+                                                        tuple(request.all_token_ids), request.cache_salt, continued))
 
     def _slot_restores(self, step: StepInput) -> list[tuple[str, list[int], int, bytes]]:
         """The slots this step's first chunks restore: a request the scheduler admitted at its slot's length."""
