@@ -10,13 +10,13 @@ draft j is accepted, given drafts < j were, with probability p. It also emits a 
 acceptance with stated noise, for DSpark's planner: `--conf-hit` (default 0.85) for a draft that is the target's
 token, `--conf-miss` (0.15) for one that is not, plus Gaussian noise of deviation `--conf-noise` (0.1), clamped to
 [0.01, 0.99]. Drafting costs the host a few microseconds a sequence and nothing on the device, so the run measures
-what verification costs and gains: the target's verify steps (eager), and with DSpark the decode graphs for the
-steps where the planner verifies nothing. (A sequence whose tokens leave the reference, a near-tie the verify
+what verification costs and gains: the target's verify steps, which run eagerly, against plain decoding's
+replayed CUDA graphs. (A sequence whose tokens leave the reference, a near-tie the verify
 pass resolves otherwise than plain decoding, gets random drafts from there on; `diverged` counts them.)
 
 Model: bench/gpu.py's V4-Flash layer shapes (hidden 4096, 64 heads of 512, window 128, CSA 4 / HCA 128, vocab
 129280), layers SW CSA HCA CSA, 16 routed experts top-6, random bf16 on the GPU, written to a temporary directory and
-loaded through `LLM` (decode CUDA graphs captured at start-up). Prompts: `--input-len` random tokens, `--output-len`
+loaded through `LLM` (without speculation its decode CUDA graphs are captured at start-up). Prompts: `--input-len` random tokens, `--output-len`
 greedy tokens each, `ignore_eos`. Throughput = output tokens / wall seconds of a `generate` after a warm-up.
 Writes spec_graphs.json into --out ($OUT when set, else bench/results/) and prints a table.
 """

@@ -136,15 +136,15 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                           cfg.eos_token_ids, verify_planner=planner.plan if planner is not None else None)
     graphs = None
     # the built-in transport reads counts on the host each exchange: no CUDA graph can hold a step through it
-    # with a proposer too: a step whose sequences verify no drafts (DSpark's planner chose none) is a decode step,
-    # and the drafter captures its own chain (`Proposer.capture_graphs`); verify steps run eagerly
-    if backend.cuda_graphs and not config.enforce_eager and placement is None:
+    if backend.cuda_graphs and not config.enforce_eager and proposer is None and placement is None:
         graphs = DecodeGraphs(model, cache, max_num_seqs, math.ceil(max_model_len / block_size),
                               batch_sizes=config.cuda_graph_sizes)
         if graphs.capture:  # compile and capture every bucket now: no request pays for it
             graphs.warm_up()
-            if proposer is not None:
-                proposer.capture_graphs(cache, max_num_seqs, batch_sizes=config.cuda_graph_sizes)
+    if backend.cuda_graphs and not config.enforce_eager and proposer is not None and placement is None and \
+            cache.layers and cache.layers[0].storage.is_cuda:
+        # the drafter's fixed-shape work (the MTP chain) as its own graphs, now; verify steps run eagerly
+        proposer.capture_graphs(cache, max_num_seqs, batch_sizes=config.cuda_graph_sizes)
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
     runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs)
     executor = runner

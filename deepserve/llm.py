@@ -40,8 +40,8 @@ class LLM:
     `deepserve_register_proposers` (docs/speculative.md). On a backend that supports it (NVIDIA with its Triton
     kernels), decode steps replay CUDA graphs captured per batch-size bucket on first use
     (`deepserve.model.cuda_graphs`); `enforce_eager=True` launches every kernel instead. With speculative
-    decoding, steps that verify no drafts replay the decode graphs and the MTP drafter's chain replays its own
-    (`deepserve.model.draft_graphs`); verify steps run eagerly.
+    decoding the MTP drafter's chain replays its own graphs (`deepserve.model.draft_graphs`); the verify steps
+    run eagerly.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:

@@ -1,6 +1,5 @@
-"""On an NVIDIA GPU: speculative steps with CUDA graphs (the MTP drafter's chain, `draft_graphs`, and the decode
-graphs for steps that verify no drafts) against the same steps launched eagerly: the chain's replay gives its
-static forward's bits; through the engine, greedy tokens with graphs equal the eager speculative run's and plain
+"""On an NVIDIA GPU: speculative steps with CUDA graphs (the MTP drafter's chain, `draft_graphs`) against the same
+steps launched eagerly: the chain's replay gives its static forward's bits; through the engine, greedy tokens with graphs equal the eager speculative run's and plain
 greedy decoding's, on the fp32 demo model and on a bf16 model with V4-Flash's layer shapes (two layers, few
 experts, an MTP block)."""
 
@@ -91,11 +90,11 @@ def test_chain_replay_matches_its_static_forward(demo_dir):
 def _generate(path, dtype, spec, eager, prompts, max_tokens, max_num_seqs):
     llm = LLM(path, dtype=dtype, accelerator="nvidia", max_num_seqs=max_num_seqs, enforce_eager=eager,
               speculative_config=spec, max_model_len=1024, kv_cache_bytes=4 << 30, load_plugins=False)
-    if not eager:
+    if not eager and spec is None:
         assert llm.graphs is not None and llm.graphs._buckets
-        if spec is not None:
-            chain = llm.proposer.chain_graphs
-            assert chain is not None and all(b.graph is not None for b in chain._buckets.values())
+    if not eager and spec is not None:
+        chain = llm.proposer.chain_graphs
+        assert chain is not None and chain._buckets and all(b.graph is not None for b in chain._buckets.values())
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     accepted = sum(o.num_accepted_tokens or 0 for o in outs)
