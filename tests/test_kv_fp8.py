@@ -213,3 +213,21 @@ def test_fp8_static_decode_equals_the_paged_decode(tiny_dir, fp8_llm):
     assert static.outputs[0].token_ids == paged.outputs[0].token_ids
     assert [{t: e.logprob for t, e in s.items()} for s in static.outputs[0].logprobs] == \
         [{t: e.logprob for t, e in s.items()} for s in paged.outputs[0].logprobs]
+
+
+def test_fp8_with_mtp_speculation_keeps_the_greedy_tokens():
+    """The MTP drafter's window rows are rounded too (`use_kv_cache_dtype` reaches every attention layer), and a
+    verify pass rounds each row as a decode step would: speculative greedy tokens are the plain fp8 ones."""
+    def make(**kw):
+        return LLM(EMBEDDED, dtype="float32", accelerator="cpu", block_size=128, kv_cache_dtype="fp8",
+                   load_plugins=False, **kw)
+
+    spec = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    drafter = [m for m in spec.model.mtp.modules() if hasattr(type(m), "kv_precision")]
+    assert drafter and all(m.kv_precision.fp8 for m in drafter)
+    prompt = spec.tokenizer.encode(TEXT)[:120]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = spec.generate([prompt], params, use_tqdm=False)[0]
+    want = make().generate([prompt], params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_accepted_tokens > 0
