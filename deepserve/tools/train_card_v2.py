@@ -31,6 +31,16 @@ CHAT_SAMPLES = (("chat (V4.1, non-thinking): the README's curl request, its max_
                  "reverses a list.", 64), ("chat (V4.1, non-thinking)", corpus.CARD_CHAT_REQUEST, 128))
 
 
+def train_gpu_options(command: str) -> str:
+    """The options that bench/train_gpu.sh passed on, from the run's recorded command (`... run OUT --device
+    cuda OPTIONS`): the script adds OUT and the device itself."""
+    words = command.split()
+    words = words[words.index("run") + 2 :]
+    if "--device" in words:
+        at = words.index("--device")
+        del words[at : at + 2]
+    return " ".join(words)
+
 def samples(model_dir: Path) -> list[dict]:
     from deepserve import LLM, SamplingParams
 
@@ -163,8 +173,9 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         "## Training",
         "",
         "```",
-        "bash bench/train_gpu.sh --total-budget 525 --reserve 150   # what ran (one device call, kind nvidia-h200)",
-        "bash bench/train_gpu.sh --steps 413                        # the same schedule again",
+        f"bash bench/train_gpu.sh {train_gpu_options(metrics['command'])}   # what ran (one device call, kind "
+        "nvidia-h200)",
+        f"bash bench/train_gpu.sh --steps {tr['steps_done']}   # the same schedule again",
         "```",
         "",
         "(`bench/train_gpu.sh` runs `python -m deepserve.tools.train_v2 run $OUT --device cuda` on the machine's "
@@ -176,11 +187,15 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         f"stages: corpus, licences, tokenizer and split {st['prepare']:.0f} s, training {st['train']:.0f} s "
         f"({tr['steps_done']} steps, fitted to the time left), evaluation after; seed {metrics['seed']}",
         f"- {tr['steps_done']} steps of {tc['tokens_per_step']:,} tokens ({tc['seq_len']}-token sequences, "
-        f"{int(tc['chat_share'] * 100)}% chat) in {train_min:.1f} min, {tr['tokens'] / 1e6:.1f} M tokens "
+        f"{int(tc.get('function_share', 0) * 100)}% whole documented functions as `BOS function EOS`, "
+        f"{int(tc['chat_share'] * 100)}% chat, the rest code windows) in {train_min:.1f} min, "
+        f"{tr['tokens'] / 1e6:.1f} M tokens "
         f"({tr['tokens'] / tr['seconds']:,.0f} tokens/s)",
         f"- AdamW (beta 0.9/0.95, weight decay {tc['weight_decay']}), peak lr {tc['lr']} after {tc['warmup_steps']} "
-        f"warm-up steps, cosine to {tc['min_lr_ratio']}x; gradient clip {tc['grad_clip']}; fp32 weights (TF32 "
-        "matmuls), shipped in bf16",
+        f"warm-up steps, cosine to {tc['min_lr_ratio']}x; gradient clip {tc['grad_clip']}; fp32 weights and "
+        + ("optimizer, the forward under bf16 autocast (fused AdamW)" if tc.get("bf16") else "TF32 matmuls")
+        + ", shipped in bf16; the training MoE runs every expert on every token weighed by the routing (the "
+        "sparse layer's gradients, no host sync)",
         f"- losses: next token + {tc['mtp_weight']} x the MTP block's next-next token + {tc['chain_weight']} x the "
         "same block fed its own output streams (as a chained drafter is) + "
         f"{tc['indexer_weight']} x the lightning indexer's KL to the attention mass on the compressed rows "
