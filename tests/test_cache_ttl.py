@@ -153,6 +153,7 @@ async def test_every_route_hands_its_cache_ttl_to_the_engine(aiohttp_client, cha
     ({"cache_ttl": 3}, "cache_ttl", "cache_ttl must be one of"),
     ({"extra_body": {"cache_ttl": "week"}}, "cache_ttl", "got 'week'"),
     ({"extra_body": "agent"}, "extra_body", "'extra_body' must be an object"),
+    ({"extra_body": {"top_k": 5}}, "extra_body.top_k", "only cache_ttl may be sent in 'extra_body'"),
     ({"cache_ttl": "chat", "extra_body": {"cache_ttl": "agent"}}, "cache_ttl", "differ"),
 ])
 @pytest.mark.parametrize("path, body", ROUTES, ids=[p for p, _ in ROUTES])

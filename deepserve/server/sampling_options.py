@@ -32,10 +32,16 @@ CACHE_FIELDS = ("cache_ttl",)
 
 def cache_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The cache fields `body` sets, top-level or in `extra_body` (null is unset), as `SamplingParams` keyword
-    arguments. 400 for an `extra_body` that is not an object, or one that disagrees with the top-level field."""
+    arguments. 400 for an `extra_body` that is not an object, holds another field (which would otherwise be
+    silently ignored: only these are read from it), or disagrees with the top-level field."""
     extra = body.get("extra_body")
     if extra is not None and not isinstance(extra, dict):
         raise ApiError(400, f"'extra_body' must be an object, got {json_type(extra)}", param="extra_body")
+    other = sorted(set(extra or ()) - set(CACHE_FIELDS))
+    if other:
+        raise ApiError(400, f"'extra_body.{other[0]}' is not read: only {', '.join(CACHE_FIELDS)} may be sent in "
+                       "'extra_body' (send other fields top-level, as the openai SDK's extra_body= does)",
+                       param=f"extra_body.{other[0]}")
     fields = {}
     for name in CACHE_FIELDS:
         top, nested = body.get(name), (extra or {}).get(name)
