@@ -6,9 +6,10 @@ one H200; `--smoke` runs the same stages on a CPU in a couple of minutes (a tiny
 
 What OUT gets (only small files, so that a device machine can send them back): the checkpoint's safetensors shards
 (`model-0000k-of-0000n.safetensors`, each under `SHARD_BYTES`) and `bundle.tar.gz` holding everything else: the
-checkpoint's config, index, tokenizer, held-out samples and confidence head (`model/`), the corpus record
-(`corpus.json`: sources, versions, licences, the held-out file list, the evaluation sets' ids), `metrics.json`
-(every held-out number, v2 and v1 side by side, stage times) and the training log, summary and loss history.
+checkpoint's config, index, tokenizer, held-out samples and ids (`heldout_sets.json`) and confidence head
+(`model/`), the corpus record (`corpus.json`: sources, versions, licences, the held-out file list, the evaluation
+sets' ids), `metrics.json` (every held-out number, v2 and v1 side by side, stage times) and the training log,
+summary and loss history.
 Every stage starts from `--seed`; the training step count is fitted to the time left (the log prints it, and
 `--steps` repeats it).
 
@@ -61,6 +62,9 @@ SMOKE_TRAIN = dict(seq_len=128, tokens_per_step=1024, warmup_steps=4, function_s
 SHARD_BYTES = 15 * 10**6
 V1_DIR = Path(__file__).resolve().parents[1] / "assets" / "deepserve-tiny-v4"
 EVAL_FILE = "eval_sets.json"
+#: what ships with the model so that its held-out numbers can be checked: the held-out files, the evaluation
+#: headers and chat requests drawn from them, the held-out docstring pairs (tests/test_embedded_model.py reads it)
+HELDOUT_SETS_FILE = "heldout_sets.json"
 #: the README's chat request, shown in the card's samples
 README_CHAT = "Write a function that reverses a list."
 
@@ -155,6 +159,14 @@ def prepare(data: Path, seed: int, vocab_size: int, package_mb: float, processes
     sets = eval_sets(files, meta, data / "tokenizer.json", V1_DIR / "tokenizer.json", seed,
                      num_headers=8 if smoke else 100, num_chat=4 if smoke else 100)
     (data / EVAL_FILE).write_text(json.dumps(sets) + "\n")
+    heldout_ids = dict(
+        python=meta["python"], fingerprint=meta["fingerprint"], rule=f"sha1(path) % 100 < {corpus.HELD_OUT_PERCENT}",
+        heldout_files=meta["heldout_paths"],
+        headers=[dict(path=h["path"], qualname=h["qualname"], header=h["header"]) for h in sets["headers"]],
+        chat=[c["user"] for c in sets["chat"]],
+        chat_pairs=[dict(path=p["path"], qualname=p["qualname"]) for p in meta["heldout_pairs"]],
+    )
+    (data / HELDOUT_SETS_FILE).write_text(json.dumps(heldout_ids, indent=0) + "\n")
     log(f"eval sets: {len(sets['headers'])} function headers, {len(sets['chat'])} chat requests (held-out files)")
     return dict(files=files, meta=meta, sets=sets)
 
@@ -387,6 +399,7 @@ def run(out: Path, device: str, seed: int, total_budget: float, smoke: bool, ste
     budget = None if steps else max(10.0, deadline - time.time() - reserve)
     summary = train_model(data_dir, model_dir, device, steps, budget, seed, train_over, model_over, log_dir=logs)
     shards = save_sharded(model_dir, SHARD_BYTES)
+    shutil.copy(data_dir / HELDOUT_SETS_FILE, model_dir / HELDOUT_SETS_FILE)
     for s in shards:
         shutil.copy(s, out / s.name)
     metrics["train"] = {k: v for k, v in summary.items() if k != "train_config"}
