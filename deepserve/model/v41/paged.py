@@ -32,14 +32,19 @@ class PagedLayerState(LayerState):
                  num_rows: int) -> None:
         super().__init__(spec, ring, None, None, kv_open, score_open)
         self._row_pool, self._key_pool, self._table = row_pool, key_pool, table
+        self._table_on_device: torch.Tensor | None = None  # `_where`'s copy of the table
         self.num_rows = num_rows
         self.num_keys = num_rows if key_pool is not None else 0
 
     def _where(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        per_page = self._row_pool.shape[1]
-        rows = torch.arange(first, first + n)
-        pages = torch.tensor(self._table, dtype=torch.long)[rows // per_page]
-        return pages.to(self._row_pool.device), (rows % per_page).to(self._row_pool.device)
+        """(page, row within it) of rows first..first+n, as index tensors where the pool is. The table is
+        copied there once per new page (it only grows), not at every read: on a GPU each copy is a host sync."""
+        pool = self._row_pool
+        per_page = pool.shape[1]
+        if self._table_on_device is None or self._table_on_device.shape[0] != len(self._table):
+            self._table_on_device = torch.tensor(self._table, dtype=torch.long, device=pool.device)
+        rows = torch.arange(first, first + n, device=pool.device)
+        return self._table_on_device[rows // per_page], rows % per_page
 
     @property
     def rows(self) -> torch.Tensor | None:
