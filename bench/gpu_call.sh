@@ -8,7 +8,10 @@
 #
 # kernels: the kernel tests of tests/gpu/test_kernels.py; graphs: the CUDA-graph tests; all_tests: every GPU test
 # (gpu_tests.log); sweep_gemv: bench/investigations/kernel_sweep.py --only gemv; trace: bench/decode_trace.py at
-# batch 1 and 64; decode: bench/gpu.py --decode-only (transformers' rows reused from run 3); bench: the whole
+# batch 1 and 64; decode: bench/gpu.py --decode-only (transformers' rows reused from run 3); quant: the stored-precision
+# kernel tests; stored: bench/stored_precision.py; kv_tiers: bench/kv_tiers.py on the GPU; determinism:
+# bench/investigations/determinism.py; cpu_bg: the CPU suite on the host's CPU in the background (cpu_bg.log,
+# cpu_suite.log; it must finish before the call ends); bench: the whole
 # bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench".
 set -uo pipefail
@@ -30,6 +33,11 @@ for part in $PARTS; do
         trace) python3 bench/decode_trace.py --batches 1,64 --out "$OUT" 2>&1 | tee "$OUT/trace.log" | tail -30 ;;
         decode) python3 bench/gpu.py --reuse-hf $HF --decode-only --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 ;;
         bench) python3 bench/gpu.py --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
+        quant) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant_tests.log" | tail -25 ;;
+        stored) timeout ${STORED_TIMEOUT:-300} python3 bench/stored_precision.py --out "$OUT" 2>&1 | tee "$OUT/stored_precision.log" | tail -40 ;;
+        kv_tiers) timeout 150 python3 bench/kv_tiers.py --accelerator nvidia --out "$OUT/kv_tiers_h200.json" 2>&1 | tee "$OUT/kv_tiers.log" | tail -25 ;;
+        determinism) timeout 200 python3 bench/investigations/determinism.py --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -40 ;;
+        cpu_bg) (CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &) ;;
         *) echo "unknown part $part" ;;
     esac
 done

@@ -24,6 +24,7 @@ from .common import SMS, dot_precision
 
 #: the most rows this path takes; wider steps go to cuBLAS, whose tiles then pay off
 MAX_ROWS = 4
+ROW_BLOCK = 16  # the kernel's one row block: the most rows a call can compute (MAX_ROWS is where it pays)
 
 
 @triton.jit
@@ -112,6 +113,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
     (`Backend.rms_norm_linear`)."""
     M, G, K = x.shape
     N = w.shape[1]
+    if M > ROW_BLOCK:
+        raise ValueError(f"grouped_gemv computes at most {ROW_BLOCK} rows per call, got {M} (rows past it would "
+                         f"be left unwritten); larger products go through cuBLAS")
     out = torch.empty((M, G, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -129,7 +133,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, tiles: dict | None = None,
         x, w, out, part, counters if split > 1 else out, norm[0] if norm is not None else x, M, N, K, chunk,
         float(norm[1]) if norm is not None else 0.0,
         x.stride(1), x.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
-        BLOCK_M=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), SPLIT=split,
+        BLOCK_M=ROW_BLOCK, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), SPLIT=split,
         NORM=norm is not None, num_warps=t["num_warps"], num_stages=t["num_stages"],
     )
     return out
