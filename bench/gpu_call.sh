@@ -37,6 +37,8 @@ for part in $PARTS; do
         stored) timeout ${STORED_TIMEOUT:-300} python3 bench/stored_precision.py --out "$OUT" 2>&1 | tee "$OUT/stored_precision.log" | tail -40 ;;
         kv_tiers) timeout 150 python3 bench/kv_tiers.py --accelerator nvidia --out "$OUT/kv_tiers_h200.json" 2>&1 | tee "$OUT/kv_tiers.log" | tail -25 ;;
         determinism) timeout 200 python3 bench/investigations/determinism.py --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -40 ;;
+        stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
+        stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
         cpu_bg) (CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &) ;;
         *) echo "unknown part $part" ;;
     esac
