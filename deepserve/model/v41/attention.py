@@ -28,6 +28,8 @@ class Shared:
 
     prompt: bool = False
     min_rows: int = 1  # the plain GEMMs' row floor (`numerics.gemm`)
+    # the window starts at this forward's first token (a bounded SWA replay, `replay.py`): keys before it unread
+    fresh_window: bool = False
 
     rows: torch.Tensor | None = None
     topk: torch.Tensor | None = None
@@ -146,8 +148,13 @@ class Attention(nn.Module):
         q = rope_tail(q_lin.unflatten(-1, (self.heads, self.hd)), rot, self.rd)
         step = start > 0 and s == 1 and not shared.prompt  # a decode step: the ring alone, as the reference
         kv = self._window(self._keys_from(kv_lin, rot), start, st, step)
-        columns = window_columns if start == 0 or step else chunk_window_columns
-        cols = columns(self.cfg.window_size, start, s, x.device).expand(s, -1)
+        win = self.cfg.window_size
+        if shared.fresh_window and start > 0 and not step:  # the chunk's own causal window, after the ring's rows
+            cols = window_columns(win, 0, s, x.device)
+            cols = torch.where(cols >= 0, cols + win, -1)
+        else:
+            columns = window_columns if start == 0 or step else chunk_window_columns
+            cols = columns(win, start, s, x.device).expand(s, -1)
         if self.ratio:
             rows, picks = self._compressed(x, qr, start, st, seq, shared, offset=kv.shape[0])
             kv = torch.cat([kv, rows])

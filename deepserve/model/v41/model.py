@@ -127,11 +127,12 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids, state: V41SequenceState, all_logits: bool = False, forced=None,
-                prompt: bool = False) -> V41Output:
+                prompt: bool = False, fresh_window: bool = False) -> V41Output:
         """Run `ids` (token ids at positions state.num_tokens..) through the backbone, updating `state`.
         forced: {block j: (x_in [S, hc, D], pre_in [S, hc])} inputs that replace block j-1's outputs.
         prompt: `ids` continue a prompt (a later chunk): its index sources read what one prefill of the whole
-        prompt reads, where a decode step of one token reads the reference's stale index keys (`Shared`)."""
+        prompt reads, where a decode step of one token reads the reference's stale index keys (`Shared`).
+        fresh_window: the window starts at ids[0] (a bounded SWA replay, `replay.py`): no earlier key is read."""
         c = self.cfg
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         start = state.num_tokens
@@ -146,7 +147,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         h, pre = self.embed_streams(ids.to(self.embed.device))
         # prefills and prompt chunks: row-count-invariant GEMMs (chunks compute one prefill); decode as the reference
         min_rows = GEMM_ROWS if start == 0 or prompt else 1
-        shared, taps = Shared(prompt=prompt, min_rows=min_rows), []
+        shared, taps = Shared(prompt=prompt, min_rows=min_rows, fresh_window=fresh_window), []
         for j, blk in enumerate(self.layers):
             if forced is not None and j in forced:
                 h, pre = forced[j]
