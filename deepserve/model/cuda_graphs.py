@@ -67,6 +67,22 @@ class _Bucket:
     output: ForwardOutput | None = None
 
 
+def capture_plan(device, backend, capture: bool | None, max_batch: int, num_slots: int,
+                 batch_sizes=None) -> tuple[bool, list[int]]:
+    """Whether graphs are captured (None: on CUDA when the backend's ops allow it; True off CUDA is an error)
+    and the batch buckets: `batch_sizes` (clipped to the slots) or the default buckets up to the most
+    sequences a step can hold."""
+    if capture is None:
+        capture = device.type == "cuda" and backend.cuda_graphs
+    if capture and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {device}")
+    most = min(max_batch, num_slots)
+    buckets = batch_buckets(most) if batch_sizes is None else sorted({min(int(s), most) for s in batch_sizes})
+    if not buckets:
+        raise ValueError("batch_sizes names no batch size to capture")
+    return capture, buckets
+
+
 class DecodeGraphs:
     """Decode steps of `model` over `cache` as static forwards, captured as CUDA graphs per bucket.
 
@@ -81,16 +97,8 @@ class DecodeGraphs:
                  capture: bool | None = None, batch_sizes=None) -> None:
         self.model, self.cache = model, cache
         self.device = cache.layers[0].storage.device if cache.layers else model.lm_head.weight.device
-        if capture is None:
-            capture = self.device.type == "cuda" and model.backend.cuda_graphs
-        if capture and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
-        self.capture = capture
-        most = min(max_batch, cache.num_slots)
-        self.batch_buckets = batch_buckets(most) if batch_sizes is None else \
-            sorted({min(int(s), most) for s in batch_sizes})
-        if not self.batch_buckets:
-            raise ValueError("batch_sizes names no batch size to capture")
+        self.capture, self.batch_buckets = capture_plan(self.device, model.backend, capture, max_batch,
+                                                        cache.num_slots, batch_sizes)
         self.page_buckets = page_buckets(max_pages)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None  # the graphs' shared memory pool, made at the first capture

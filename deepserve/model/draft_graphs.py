@@ -35,7 +35,7 @@ import torch
 from deepserve.sampling import argmax_lowest
 
 from .batch import ForwardBatch
-from .cuda_graphs import batch_buckets
+from .cuda_graphs import capture_plan
 from .kv_cache import PagedKVCache
 from .layouts import StaticDecode, StaticStep
 from .layouts.paged import PagedIndex
@@ -79,16 +79,8 @@ class DraftChainGraphs:
         self.proposer, self.model, self.cache, self.k = proposer, model, cache, k
         self.pools = cache.pools[owner][proposer.depth]
         self.device = self.pools.storage.device
-        if capture is None:
-            capture = self.device.type == "cuda" and model.backend.cuda_graphs
-        if capture and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
-        self.capture = capture
-        most = min(max_batch, cache.num_slots)
-        self.batch_buckets = batch_buckets(most) if batch_sizes is None else \
-            sorted({min(int(s), most) for s in batch_sizes})
-        if not self.batch_buckets:
-            raise ValueError("batch_sizes names no batch size to capture")
+        self.capture, self.batch_buckets = capture_plan(self.device, model.backend, capture, max_batch,
+                                                        cache.num_slots, batch_sizes)
         self._buckets: dict[int, _ChainBucket] = {}
         self._pool = None
         self.capture_seconds = 0.0
