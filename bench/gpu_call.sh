@@ -13,7 +13,8 @@
 # bench/investigations/determinism.py; cpu_bg: the CPU suite on the host's CPU in the background (cpu_bg.log,
 # cpu_suite.log; it must finish before the call ends); bench: the whole
 # bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
-# bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench".
+# bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench". train_profile:
+# bench/investigations/train_profile.py; picked: the GPU tests named in $PICKED (files or node ids).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/device_env.sh
@@ -39,8 +40,13 @@ for part in $PARTS; do
         determinism) timeout 200 python3 bench/investigations/determinism.py --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -40 ;;
         stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
         stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
-        cpu_bg) (CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &) ;;
+        train_profile) timeout ${TRAIN_PROFILE_TIMEOUT:-120} python3 bench/investigations/train_profile.py --out "$OUT" 2>&1 | grep -v "^  " | tail -45 ;;
+        picked) timeout ${PICKED_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu ${PICKED} 2>&1 | tee "$OUT/picked_tests.log" | tail -30 ;;
+        # a background job of this shell (not a subshell's), so that the `wait` below keeps the call open for it
+        cpu_bg) CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &
+            ;;
         *) echo "unknown part $part" ;;
     esac
 done
+wait  # for cpu_bg
 echo "== done ($(date +%T))"
