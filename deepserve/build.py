@@ -117,7 +117,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
 
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
     owners = model.default_state_owners + (tuple(proposer.state_owners) if proposer is not None else ())
-    page_bytes = bytes_per_page(model, block_size, model.lm_head.weight.dtype, owners)
+    page_bytes = bytes_per_page(model, block_size, model.lm_head.weight.dtype, owners, model.kv_precision)
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else \
         _default_budget(backend, config.gpu_memory_utilization)
     num_pages = min(pages_for_budget(budget, page_bytes), max_num_seqs * math.ceil(max_model_len / block_size))
@@ -127,9 +127,8 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     # the scratch region holds a step's new rows, so that prompt chunks take the batched path as well
     cache = PagedKVCache(model, num_pages, block_size, max_num_seqs, owners=owners,
                          max_step_tokens=max(config.max_num_batched_tokens, 16 * max_num_seqs))
-    logger.info("KV cache: %d pages of %d tokens (%d tokens), kv_cache_dtype %s (%d bytes a page as allocated, %d "
-                "in the stored form)", num_pages, block_size, num_pages * block_size, config.kv_cache_dtype, page_bytes,
-                bytes_per_page(model, block_size, model.lm_head.weight.dtype, owners, model.kv_precision))
+    logger.info("KV cache: %d pages of %d tokens (%d tokens), kv_cache_dtype %s (%d bytes a page, as stored)",
+                num_pages, block_size, num_pages * block_size, config.kv_cache_dtype, page_bytes)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
     planner = proposer.planner if proposer is not None else None
     scheduler = Scheduler(kv_manager, cost_model, max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -169,16 +168,23 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
 
 def _build_v41(config: EngineConfig, pm) -> EngineParts:
     """A V4.1 checkpoint's engine (docs/v41.md), assembled by `deepserve.model.v41.engine` with this module's
-    proposer and grammar-compiler choices."""
+    proposer and grammar-compiler choices, KV events publisher and cache tiers (`_v41_tiers`)."""
     from deepserve.model.v41.engine import build_v41_engine
 
     backend = select_backend(pm, config)
-    v41 = build_v41_engine(config, backend, lambda model: _proposer(pm, config, model),
-                           lambda model, tokenizer: _grammar_compiler(pm, config, model, tokenizer),
-                           DEFAULT_CPU_KV_CACHE_BYTES)
+    kv_events = _kv_events(config, None)
+    try:
+        v41 = build_v41_engine(config, backend, lambda model: _proposer(pm, config, model),
+                               lambda model, tokenizer: _grammar_compiler(pm, config, model, tokenizer),
+                               DEFAULT_CPU_KV_CACHE_BYTES, emit=kv_events.emit if kv_events is not None else None,
+                               make_tiers=lambda model, states, runner: _v41_tiers(pm, config, model, states, runner))
+    except BaseException:  # a refused option, say: the publisher's socket and thread go with the engine
+        if kv_events is not None:
+            kv_events.close()
+        raise
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
     return EngineParts(config, pm, backend, v41.model, v41.tokenizer, v41.max_model_len, v41.proposer,
-                       v41.kv_manager, v41.states, v41.cost_model, None, v41.runner, v41.engine, stores)
+                       v41.kv_manager, v41.states, v41.cost_model, None, v41.runner, v41.engine, stores, kv_events)
 
 
 def expert_placement(config: EngineConfig, world_size: int):
@@ -261,26 +267,59 @@ def _kv_tiers(pm, config: EngineConfig, model, cache) -> dict:
     go through, as `EngineCore` keywords; none without either option. docs/cache.md."""
     if config.host_cache_bytes is None and config.kv_store is None:
         return {}
+    from deepserve.model.kv_cache import page_pool_bytes, read_pages, write_pages
+
+    if not config.kv_store_snapshots and len(cache.pools) > 1:  # a drafter's state owner is allocated too
+        raise ValueError("kv_store_snapshots=False replays the main layers' window state only: not with a "
+                         "speculative drafter's state")
+    pool_bytes = page_pool_bytes(cache)
+    namespace = kv_namespace(config, model, cache.page_size, pool_bytes)
+    return _tiers_over(pm, config, cache.page_size, pool_bytes, namespace, _PageIO(cache, read_pages, write_pages))
+
+
+def _tiers_over(pm, config: EngineConfig, page_size: int, pool_bytes: dict[str, int], namespace: str, page_io) -> dict:
+    """The host tier and the store `config` asks for, over pages of `pool_bytes` (a model's pools) copied through
+    `page_io`, as `EngineCore` keywords. Without window snapshots the store keeps every pool but the
+    `*.snapshot` ones."""
     from deepserve.core.kv.store import GuardedStore
     from deepserve.core.kv.tiers import HostTier, KVTiers
-    from deepserve.model.kv_cache import page_pool_bytes, read_pages, write_pages
 
     store = None
     if config.kv_store is not None:
         registry = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
         store = GuardedStore(registry.open(config.kv_store), config.kv_store_deadline)
     host = HostTier(config.host_cache_bytes) if config.host_cache_bytes is not None else None
-    pool_bytes = page_pool_bytes(cache)
-    namespace = kv_namespace(config, model, cache.page_size, pool_bytes)
     logger.info("KV cache tiers: host %s, store %s (namespace %s)",
                 f"{config.host_cache_bytes} bytes" if host else "none", config.kv_store or "none", namespace)
-    page_io = _PageIO(cache, read_pages, write_pages)
-    if not config.kv_store_snapshots and len(cache.pools) > 1:  # a drafter's state owner is allocated too
-        raise ValueError("kv_store_snapshots=False replays the main layers' window state only: not with a "
-                         "speculative drafter's state")
     store_pools = None if config.kv_store_snapshots else [p for p in pool_bytes if not p.endswith(".snapshot")]
-    return dict(kv_tiers=KVTiers(namespace, pool_bytes, cache.page_size, host, store, config.kv_store_ttl_class,
+    return dict(kv_tiers=KVTiers(namespace, pool_bytes, page_size, host, store, config.kv_store_ttl_class,
                                  store_pools), page_io=page_io)
+
+
+def _v41_tiers(pm, config: EngineConfig, model, states, runner) -> dict:
+    """A V4.1 engine's cache tiers (V4's, over `V41PagedStates.page_pools`, in a namespace of V4.1's KV layout)
+    and, with a store that keeps no window snapshots, the SWA replay of a hit's last page by V4.1's
+    `replay.replay_state` (`exact`: window x depth tokens; `bounded`: 128), as `EngineCore` keywords; none
+    without `host_cache_bytes` or `kv_store`. docs/v41.md."""
+    if config.host_cache_bytes is None and config.kv_store is None:
+        return {}
+    import functools
+
+    from deepserve.model.v41.paged import page_pool_bytes, read_pages, write_pages
+    from deepserve.model.v41.replay import BOUNDED_LENGTH, exact_length
+
+    if not config.kv_store_snapshots and config.speculative_config is not None:
+        raise ValueError("kv_store_snapshots=False replays the V4.1 backbone's state only: not with DSpark's rings")
+    pool_bytes = page_pool_bytes(states)
+    namespace = kv_namespace(config, model, states.page_size, pool_bytes, layout="v41-paged-1", dtype="bfloat16")
+    out = _tiers_over(pm, config, states.page_size, pool_bytes, namespace, _PageIO(states, read_pages, write_pages))
+    if not config.kv_store_snapshots:
+        length = BOUNDED_LENGTH if config.swa_replay == "bounded" else exact_length(model.cfg)
+        logger.info("SWA replay (V4.1): %s, %d tokens per prefix whose window snapshot is not stored",
+                    config.swa_replay, length)
+        out.update(replay_snapshot=functools.partial(runner.replay_snapshot, length=length),
+                   swa_replay_mode=config.swa_replay)
+    return out
 
 
 def _swa_slots(config: EngineConfig, cache, runner, proposer, placement) -> dict:
@@ -333,11 +372,14 @@ class _PageIO:
         self.write_pages(self.cache, pages, blocks)
 
 
-def kv_namespace(config: EngineConfig, model, page_size: int, pool_bytes: dict[str, int]) -> str:
+def kv_namespace(config: EngineConfig, model, page_size: int, pool_bytes: dict[str, int], *,
+                 layout: str = "v4-paged-1", dtype: str | None = None) -> str:
     """The block stores' namespace of this engine's KV bytes: the model directory's name; the weights' revision (a
     digest of config.json and of each safetensors file's size, header and first and last MiB, so retrained
     weights of the same shapes differ, and so do copies of the checkpoint only where their bytes do); the KV
-    layout (page size and every pool's bytes per page); the KV dtype; shard 0 (one engine holds every layer)."""
+    layout (`layout`, the model family's page format: V4's `v4-paged-1`, V4.1's `v41-paged-1`; page size and
+    every pool's bytes per page); the KV dtype (`dtype`, else V4's from `kv_cache_dtype` and the weights); shard 0
+    (one engine holds every layer)."""
     import hashlib
 
     from deepserve.core.kv.store import StoreNamespace
@@ -352,13 +394,13 @@ def kv_namespace(config: EngineConfig, model, page_size: int, pool_bytes: dict[s
             f.seek(max(size - 2**20, 8 + len(head)))
             tail = f.read()
         digest.update(path.name.encode() + size.to_bytes(8, "little") + head + tail)
-    layout = hashlib.sha256(repr(sorted(pool_bytes.items())).encode()).hexdigest()[:12]
+    pools = hashlib.sha256(repr(sorted(pool_bytes.items())).encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in root.name) or "model"
     # the precision of the values the pages hold (their storage width is in the layout's bytes per pool)
-    dtype = {"fp8": "fp8_e4m3", "bf16": "bfloat16"}.get(config.kv_cache_dtype,
-                                                       str(model.lm_head.weight.dtype).removeprefix("torch."))
-    return StoreNamespace(name, digest.hexdigest()[:16], f"v4-paged-1-p{page_size}-{layout}",
-                          dtype).key
+    if dtype is None:
+        dtype = {"fp8": "fp8_e4m3", "bf16": "bfloat16"}.get(config.kv_cache_dtype,
+                                                           str(model.lm_head.weight.dtype).removeprefix("torch."))
+    return StoreNamespace(name, digest.hexdigest()[:16], f"{layout}-p{page_size}-{pools}", dtype).key
 
 
 def _proposer(pm, config: EngineConfig, model):

@@ -61,10 +61,3 @@ def test_bad_replays_are_refused(tiny_b):
         replay_state(tiny_b, ids, 127, 64, exact)
     with pytest.raises(ValueError, match="needs the 300 token ids"):
         replay_state(tiny_b, ids, 300, 128, exact)
-
-
-def test_the_engine_refuses_the_bounded_option_by_name():
-    from deepserve import LLM
-
-    with pytest.raises(ValueError, match="does not take swa_replay 'bounded' yet"):
-        LLM(model=str(GOLDEN / "tiny_a" / "tiny"), block_size=128, swa_replay="bounded")

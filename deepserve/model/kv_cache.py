@@ -17,6 +17,10 @@ drafter's owner (V4: the MTP blocks, `mtp_layers`) is allocated too, and its win
 snapshots the same way (they are window-only layers), so a prefix hit restores the drafter's state too. The
 cache knows no owner by name: the model builds each sequence's `SequenceState` from the owners' states.
 
+Every row is kept in the stored form of the model's `kv_cache_dtype` (`model.kv_precision`; `fp8`: e4m3 bytes with
+bf16 RoPE dims and scale bytes, FP4-packed indexer keys), so a page costs `bytes_per_page(precision=...)`; reads
+decode only the rows a step gathers (`layouts`), and the cache tiers copy the stored bytes as they are.
+
 Beyond the `num_slots` slots and `num_pages` pages it hands out, the cache keeps one *padding slot* and one
 *trash page*: a fixed-shape decode step (`deepserve.model.cuda_graphs`) runs its padding rows on the padding slot
 and sends every write it does not want (a block that did not close, a table entry past a sequence's pages) to
@@ -32,35 +36,41 @@ import torch
 
 from .batch import to_device
 from .deepseek_v4 import DeepseekV4ForCausalLM
-from .kv_precision import KVPrecision
+from .kv_precision import KVPrecision, RowCodec
 from .state import AttentionState, CompressorState, LayerStateSpec, SequenceState, StreamSpec, WindowRing
 
 logger = logging.getLogger(__name__)
 
 
 class PagedRows:
-    """A `RowStore` look-alike over pages: row r of the sequence lives in page `table[r // per_page]`."""
+    """A `RowStore` look-alike over pages: row r of the sequence lives in page `table[r // per_page]`, in the
+    pool's stored form (`codec`: rows are encoded as they are appended and decoded as they are read)."""
 
-    __slots__ = ("pool", "table", "per_page", "num_rows")
+    __slots__ = ("pool", "table", "per_page", "num_rows", "codec")
 
-    def __init__(self, pool: torch.Tensor, table: list[int], num_rows: int = 0) -> None:
+    def __init__(self, pool: torch.Tensor, table: list[int], num_rows: int, codec: RowCodec) -> None:
         self.pool, self.table, self.per_page, self.num_rows = pool, table, pool.shape[1], num_rows
+        self.codec = codec
 
     def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(start, end, device=self.pool.device)
         pages = to_device(self.table[: (end + self.per_page - 1) // self.per_page], torch.long, self.pool.device)
         return pages[rows // self.per_page], rows % self.per_page
 
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end), decoded."""
+        pages, slots = self._where(start, end)
+        return self.codec.decode(self.pool[pages, slots])
+
     def view(self) -> torch.Tensor:
-        pages, slots = self._where(0, self.num_rows)
-        return self.pool[pages, slots]
+        return self.read(0, self.num_rows)
 
     def append(self, rows: torch.Tensor) -> None:
         end = self.num_rows + rows.shape[0]
         if end > len(self.table) * self.per_page:
             raise RuntimeError(f"block table holds {len(self.table)} pages, too few for {end} rows")
         pages, slots = self._where(self.num_rows, end)
-        self.pool[pages, slots] = rows.to(self.pool.dtype)
+        self.pool[pages, slots] = self.codec.encode(rows)
         self.num_rows = end
 
     def truncate(self, num_rows: int) -> None:
@@ -70,13 +80,14 @@ class PagedRows:
 
 
 class _StreamPools:
-    """Pages, frontier slots and page snapshots of one compressed stream of one layer."""
+    """Pages, frontier slots and page snapshots of one compressed stream of one layer. The pages hold the rows in
+    `codec`'s stored form; the frontier and the CSA overlap state stay fp32."""
 
-    def __init__(self, spec: StreamSpec, num_pages: int, page_size: int, num_slots: int, dtype, device,
+    def __init__(self, spec: StreamSpec, num_pages: int, page_size: int, num_slots: int, codec: RowCodec, device,
                  rows: torch.Tensor | None = None) -> None:
-        self.spec = spec
-        self.rows = rows if rows is not None else \
-            torch.zeros((num_pages, page_size // spec.ratio, spec.dim), dtype=dtype, device=device)
+        self.spec, self.codec = spec, codec
+        self.rows = rows if rows is not None else torch.zeros(
+            (num_pages, page_size // spec.ratio, codec.stored_width), dtype=codec.storage_dtype, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         self.open_kv = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
         self.open_gate = torch.zeros((num_slots, spec.ratio, spec.frontier_width), **f32)
@@ -90,7 +101,7 @@ class _StreamPools:
         self.open_kv[slot].zero_()
         self.open_gate[slot].zero_()
         return CompressorState(
-            PagedRows(self.rows, table, num_rows), self.open_kv[slot], self.open_gate[slot],
+            PagedRows(self.rows, table, num_rows, self.codec), self.open_kv[slot], self.open_gate[slot],
             self.prev_kv[slot] if o else None, self.prev_gate[slot] if o else None,
             self.snap_kv if o else None, self.snap_gate if o else None,
         )
@@ -98,15 +109,20 @@ class _StreamPools:
 
 class _LayerPools:
     """One layer's pools. The window rings, the main compressor's row pages and a scratch region for a step's new
-    kv rows are views of ONE tensor, `storage` [num_slots * window + num_pages * rows_per_page + scratch, width]:
-    ring row (slot, position) is storage row slot * window + position % window, compressed row r of a sequence
-    with block table t is `comp_base + t[r // rpp] * rpp + r % rpp`, and the step's new rows start at
+    kv rows are views of ONE tensor, `storage` [num_slots * window + num_pages * rows_per_page + scratch, stored
+    width]: ring row (slot, position) is storage row slot * window + position % window, compressed row r of a
+    sequence with block table t is `comp_base + t[r // rpp] * rpp + r % rpp`, and the step's new rows start at
     `scratch_base`. Attention then indexes keys by these global row numbers with no copy of the pools (the
-    paged layout, `layouts.paged`)."""
+    paged layout, `layouts.paged`).
+
+    Every row is kept in `codec`'s stored form (`precision.kv_codec`; the indexer's keys in
+    `precision.index_key_codec`): at the model dtype (`auto`), bf16, or FP8 bytes (`fp8`: e4m3 codes, bf16 RoPE
+    dims, scale bytes; FP4 indexer keys). `dtype` is the values' dtype, what a read decodes to. Where the codec
+    holds the values themselves, kernels read the storage in place; else a step decodes the rows it gathers."""
 
     def __init__(self, spec: LayerStateSpec, num_pages, page_size, num_slots, dtype, device,
-                 scratch_rows: int = 0) -> None:
-        self.spec = spec
+                 scratch_rows: int = 0, precision: KVPrecision = KVPrecision()) -> None:
+        self.spec, self.dtype = spec, dtype
         W, width, comp = spec.window, spec.width, spec.compressor
         rpp = page_size // comp.ratio if comp is not None else 0
         if comp is not None and comp.dim != width:
@@ -115,14 +131,17 @@ class _LayerPools:
         self.comp_base = num_slots * W
         self.scratch_base = self.comp_base + num_pages * rpp
         self.scratch_rows = scratch_rows
-        self.storage = torch.zeros((self.scratch_base + scratch_rows, width), dtype=dtype, device=device)
-        self.window = self.storage[: self.comp_base].view(num_slots, W, width)
-        self.snap_window = torch.zeros((num_pages, W, width), dtype=dtype, device=device)
+        self.codec = codec = precision.kv_codec(width, dtype)
+        stored = dict(dtype=codec.storage_dtype, device=device)
+        self.storage = torch.zeros((self.scratch_base + scratch_rows, codec.stored_width), **stored)
+        self.window = self.storage[: self.comp_base].view(num_slots, W, codec.stored_width)
+        self.snap_window = torch.zeros((num_pages, W, codec.stored_width), **stored)
         self.compressor = _StreamPools(
-            comp, num_pages, page_size, num_slots, dtype, device,
-            rows=self.storage[self.comp_base : self.scratch_base].view(num_pages, rpp, width),
+            comp, num_pages, page_size, num_slots, codec, device,
+            rows=self.storage[self.comp_base : self.scratch_base].view(num_pages, rpp, codec.stored_width),
         ) if comp else None
-        self.indexer = _StreamPools(spec.indexer, num_pages, page_size, num_slots, dtype, device) \
+        self.indexer = _StreamPools(spec.indexer, num_pages, page_size, num_slots,
+                                    precision.index_key_codec(spec.indexer.dim, dtype), device) \
             if spec.indexer else None
 
     def state(self, slot: int, table: list[int], num_tokens: int) -> AttentionState:
@@ -131,12 +150,12 @@ class _LayerPools:
         def stream(pools: _StreamPools | None) -> CompressorState | None:
             return None if pools is None else pools.state(slot, table, num_tokens // pools.spec.ratio)
 
-        return AttentionState(WindowRing(self.window[slot]), stream(self.compressor), stream(self.indexer),
-                              self.snap_window, slot=slot, pools=self)
+        return AttentionState(WindowRing(self.window[slot], self.codec), stream(self.compressor),
+                              stream(self.indexer), self.snap_window, slot=slot, pools=self)
 
     def restore(self, st: AttentionState, page: int, boundary: int) -> None:
         """Load the window tail and overlap state saved at `boundary` (the end of `page`)."""
-        st.window.write(boundary - self.spec.window, self.snap_window[page])
+        st.window.write_stored(boundary - self.spec.window, self.snap_window[page])
         for comp in (st.compressor, st.indexer):
             if comp is not None and comp.prev_kv is not None:
                 comp.prev_kv.copy_(comp.snap_prev_kv[page])
@@ -157,10 +176,16 @@ def owned_specs(model: DeepseekV4ForCausalLM, owners: Sequence[str] | None) -> d
 def bytes_per_page(model: DeepseekV4ForCausalLM, page_size: int, dtype: torch.dtype,
                    owners: Sequence[str] | None = None, precision: KVPrecision | None = None) -> int:
     """Device bytes one page costs: every allocated layer's rows for P tokens plus the page's boundary snapshot,
-    with the rows at `dtype` (what `PagedKVCache` allocates); or, given a `precision`, in that precision's stored
-    form (`KVPrecision.kv_row_bytes` / `index_key_bytes`: FP8 KV rows, FP4 indexer keys)."""
+    with the rows at `dtype`; or, given a `precision`, in that precision's stored form (`KVPrecision.kv_row_bytes`
+    / `index_key_bytes`: bf16 rows, or FP8 KV rows and FP4 indexer keys). `PagedKVCache` allocates the stored form
+    of the model's precision: `bytes_per_page(..., precision=model.kv_precision)` (tests/test_kv_fp8_packed.py)."""
     specs = [spec for owned in owned_specs(model, owners).values() for spec in owned]
     return specs_bytes_per_page(specs, page_size, dtype, precision)
+
+
+def model_precision(model) -> KVPrecision:
+    """The KV precision `kv_precision.use_kv_cache_dtype` gave `model` (`auto` if none)."""
+    return getattr(model, "kv_precision", None) or KVPrecision()
 
 
 def specs_bytes_per_page(specs: Sequence[LayerStateSpec], page_size: int, dtype: torch.dtype,
@@ -201,11 +226,12 @@ class PagedKVCache:
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.pad_slot, self.trash_page = num_slots, num_pages  # one of each past the ones handed out
         scratch = 16 * num_slots if max_step_tokens is None else max_step_tokens
-        self.pools = {owner: [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch)
-                              for s in owned] for owner, owned in specs.items()}
+        precision = model_precision(model)  # the rows' stored form (`kv_cache_dtype`)
+        self.pools = {owner: [_LayerPools(s, num_pages + 1, page_size, num_slots + 1, dtype, device, scratch,
+                                          precision) for s in owned] for owner, owned in specs.items()}
         self._free_slots = list(range(num_slots - 1, -1, -1))
         logger.info("paged KV cache: %d pages of %d tokens (%.1f MiB), %d sequence slots", num_pages, page_size,
-                    num_pages * bytes_per_page(model, page_size, dtype, tuple(specs)) / 2**20, num_slots)
+                    num_pages * bytes_per_page(model, page_size, dtype, tuple(specs), precision) / 2**20, num_slots)
 
     @property
     def layers(self) -> list[_LayerPools]:
@@ -260,15 +286,33 @@ def page_pools(cache: PagedKVCache) -> dict[str, list[torch.Tensor]]:
 
 def page_pool_bytes(cache: PagedKVCache) -> dict[str, int]:
     """Bytes of one page in each pool of `page_pools`."""
-    return {name: sum(t[0].numel() * t.element_size() for t in tensors) for name, tensors in page_pools(cache).items()}
+    return pool_page_bytes(page_pools(cache))
 
 
 def read_pages(cache: PagedKVCache, pages: Sequence[int]) -> list[dict[str, bytes]]:
     """The bytes of `pages`, one {pool: bytes} per page (a copy to host memory)."""
+    return read_pool_pages(page_pools(cache), pages)
+
+
+def write_pages(cache: PagedKVCache, pages: Sequence[int], blocks: Sequence[dict[str, bytes]]) -> None:
+    """Put `blocks` (as `read_pages` gives them) into `pages`; a pool a block lacks is left as the page holds it
+    (a store without window snapshots: the page's snapshot is then replayed)."""
+    write_pool_pages(page_pools(cache), pages, blocks)
+
+
+# Any paged state whose pools are tensors indexed by page on their first axis goes through these three (V4's
+# `page_pools` above; V4.1's `V41PagedStates.page_pools`). The tensors of one pool share a device.
+def pool_page_bytes(pools: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of one page in each of `pools`."""
+    return {name: sum(t[0].numel() * t.element_size() for t in tensors) for name, tensors in pools.items()}
+
+
+def read_pool_pages(pools: dict[str, list[torch.Tensor]], pages: Sequence[int]) -> list[dict[str, bytes]]:
+    """The bytes of `pages` in `pools`, one {pool: bytes} per page (a copy to host memory)."""
     if not pages:
         return []
     out: list[dict[str, bytes]] = [{} for _ in pages]
-    for name, tensors in page_pools(cache).items():
+    for name, tensors in pools.items():
         index = torch.tensor(list(pages), dtype=torch.long, device=tensors[0].device)
         raw = torch.cat([t.index_select(0, index).cpu().reshape(len(pages), -1).view(torch.uint8) for t in tensors],
                         dim=1).numpy()
@@ -277,17 +321,18 @@ def read_pages(cache: PagedKVCache, pages: Sequence[int]) -> list[dict[str, byte
     return out
 
 
-def write_pages(cache: PagedKVCache, pages: Sequence[int], blocks: Sequence[dict[str, bytes]]) -> None:
-    """Put `blocks` (as `read_pages` gives them) into `pages`; a pool a block lacks is left as the page holds it
-    (a store without window snapshots: the page's snapshot is then replayed)."""
+def write_pool_pages(pools: dict[str, list[torch.Tensor]], pages: Sequence[int],
+                     blocks: Sequence[dict[str, bytes]]) -> None:
+    """Put `blocks` (as `read_pool_pages` gives them) into `pages`; a pool a block lacks is left as the page holds
+    it."""
     if not pages:
         return
-    sizes = page_pool_bytes(cache)
-    for name, tensors in page_pools(cache).items():
+    sizes = pool_page_bytes(pools)
+    for name, tensors in pools.items():
         have = [i for i, block in enumerate(blocks) if name in block]
         if len(have) < len(blocks):
             if have:
-                write_pages(cache, [pages[i] for i in have], [{name: blocks[i][name]} for i in have])
+                write_pool_pages({name: tensors}, [pages[i] for i in have], [{name: blocks[i][name]} for i in have])
             continue
         data = b"".join(block[name] for block in blocks)
         if len(data) != sizes[name] * len(pages):

@@ -16,16 +16,21 @@ right after RoPE, before it goes to the window and to attention: so a token atte
 Where the rounding happens: every value reaches the cache through two places, `Attention.forward` (a token's kv
 row, after `qk_norm_rope`) and `_Pooler.rows` (a closed block's compressed row or indexer key), whatever the
 layout (contiguous, paged, CUDA-graph static). In `fp8` mode both pass their rows through `KVPrecision.round_*`
-(quantize, then dequantize). Each rounded value is an e4m3 (or e2m1) code times a power of two, which bf16 and
-fp32 hold exactly: the cache's pools, in the model dtype, hold the dequantized values without further loss,
-and a storage that keeps the codes and scales themselves (fewer bytes) reads back the same values bit for bit.
-`kv_row_bytes` / `index_key_bytes` give the bytes of that stored form (`kv_cache.bytes_per_page(precision=..)`).
-`bf16` rounds every row to bf16 (a no-op on a bf16 model); `auto` keeps the model dtype (no rounding).
+(quantize, then dequantize), so the activations see the rounded rows whatever holds them.
+
+What the paged cache's pools hold is the stored form itself (`RowCodec`, per pool: `kv_codec`, `index_key_codec`):
+`FP8Rows` keeps a KV row as its e4m3 code bytes, its RoPE dims as bf16 and one scale byte per 64 dims
+(`kv_row_bytes`), `FP4Keys` an indexer key as e2m1 nibbles and one scale byte per 32 (`index_key_bytes`). Each
+rounded value is a code times a power of two, so encoding a rounded row again gives back the same values, and a
+read decodes to exactly the values the rounding made, at the model dtype (bit for bit the emulated cache's, which
+kept them unpacked: tests/test_kv_fp8_packed.py). `bf16` keeps bf16 rows (`PlainRows`; a no-op on a bf16 model);
+`auto` keeps the model dtype (no rounding; the stored rows are the values, `holds_values`).
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,11 +53,16 @@ def check_kv_cache_dtype(value) -> str:
     return value
 
 
+def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:
+    """Per block, the e of the smallest power of two 2^e with amax / 2^e <= limit (0 for an all-zero block), in
+    [-126, 127], as float64."""
+    safe = torch.where(amax > 0, amax, torch.full_like(amax, limit))
+    return torch.ceil(torch.log2(safe.double() / limit)).clamp(-126, 127)
+
+
 def _pow2_scale(amax: torch.Tensor, limit: float) -> torch.Tensor:
     """Per block, the smallest power of two 2^e with amax / 2^e <= limit (1 for an all-zero block), fp32."""
-    safe = torch.where(amax > 0, amax, torch.full_like(amax, limit))
-    exponent = torch.ceil(torch.log2(safe.double() / limit)).clamp(-126, 127)
-    return torch.pow(2.0, exponent).float()
+    return torch.pow(2.0, _pow2_exponent(amax, limit)).float()
 
 
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
@@ -154,6 +164,17 @@ class KVPrecision:
         nope = width - self.rope_dims
         return _pad8(nope + 2 * self.rope_dims + -(-nope // FP8_BLOCK))
 
+    # -- the stored form itself (the paged pools) --------------------------------------------------------------
+    def kv_codec(self, width: int, dtype: torch.dtype) -> RowCodec:
+        """How the cache's pools keep KV rows of `width` dims for a model of `dtype`: `kv_row_bytes` a row."""
+        if self.fp8:
+            return FP8Rows(width, self.rope_dims, dtype)
+        return PlainRows(width, dtype, torch.bfloat16 if self.kv_cache_dtype == "bf16" else dtype)
+
+    def index_key_codec(self, width: int, dtype: torch.dtype) -> RowCodec:
+        """How the cache's pools keep indexer keys of `width` values: `index_key_bytes` a key."""
+        return FP4Keys(width, dtype) if self.fp8 else self.kv_codec(width, dtype)
+
     def index_key_bytes(self, width: int, model_itemsize: int) -> int:
         """Bytes of one stored indexer key: fp8 mode packs two e2m1 codes a byte plus a scale byte per 32
         (V4-Flash: 64 + 4 = 68)."""
@@ -164,6 +185,111 @@ class KVPrecision:
 
 def _pad8(n: int) -> int:
     return -(-n // 8) * 8
+
+
+# -- the stored form: what the paged pools hold ------------------------------------------------------------------
+class RowCodec(ABC):
+    """How a pool keeps rows of `width` values at `dtype`: `encode(rows [..., width])` gives the stored rows
+    [..., stored_width] of `storage_dtype`, `decode(stored)` the values at `dtype` again, bit for bit the ones
+    `KVPrecision` rounds a row to (so a rounded row survives the trip unchanged). `holds_values`: the stored rows
+    are the values themselves, so kernels may read and write the pool in place."""
+
+    width: int
+    dtype: torch.dtype
+    storage_dtype: torch.dtype
+    stored_width: int
+    holds_values = False
+
+    @abstractmethod
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [..., width] (any float dtype) -> stored rows [..., stored_width] of `storage_dtype`."""
+
+    @abstractmethod
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., stored_width] -> their values [..., width] at `dtype`."""
+
+
+class PlainRows(RowCodec):
+    """Rows kept as floats of `storage_dtype` (`auto`: the model dtype; `bf16`: bfloat16)."""
+
+    def __init__(self, width: int, dtype: torch.dtype, storage_dtype: torch.dtype) -> None:
+        self.width, self.dtype, self.storage_dtype, self.stored_width = width, dtype, storage_dtype, width
+        self.holds_values = storage_dtype == dtype
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.storage_dtype)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored if self.holds_values else stored.to(self.dtype)
+
+
+class FP8Rows(RowCodec):
+    """A KV row as bytes (FlashMLA's V4 order): the non-RoPE dims' e4m3 codes, the RoPE dims as bf16, one UE8M0
+    scale byte (exponent + 127) per 64 non-RoPE dims, zero padding to `KVPrecision.kv_row_bytes`."""
+
+    storage_dtype = torch.uint8
+
+    def __init__(self, width: int, rope_dims: int, dtype: torch.dtype) -> None:
+        self.width, self.dtype = width, dtype
+        self.nope, self.rope = width - rope_dims, rope_dims
+        self.num_scales = -(-self.nope // FP8_BLOCK)
+        self.stored_width = _pad8(self.nope + 2 * self.rope + self.num_scales)
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        blocks, n = _blocks(rows[..., : self.nope].float(), FP8_BLOCK)
+        exponent = _pow2_exponent(blocks.abs().amax(dim=-1, keepdim=True), E4M3_MAX)
+        scaled = blocks / torch.pow(2.0, exponent).float()  # as `fp8_roundtrip` divides
+        codes = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2)[..., :n].view(torch.uint8)
+        rope = rows[..., self.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)
+        scales = (exponent[..., 0] + 127).to(torch.uint8)
+        pad = codes.new_zeros(*codes.shape[:-1], self.stored_width - n - 2 * self.rope - self.num_scales)
+        return torch.cat([codes, rope, scales, pad], dim=-1)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        nope, end = self.nope, self.nope + 2 * self.rope
+        codes, _ = _blocks(stored[..., :nope].view(torch.float8_e4m3fn).float(), FP8_BLOCK)
+        values = (codes * _ue8m0(stored[..., end : end + self.num_scales])[..., None]).flatten(-2)[..., :nope]
+        rope = stored[..., nope:end].contiguous().view(torch.bfloat16).float()
+        return torch.cat([values, rope], dim=-1).to(self.dtype)
+
+
+class FP4Keys(RowCodec):
+    """An indexer key (already turned by the Hadamard matrix) as bytes: its e2m1 codes two a byte, low nibble
+    first (bit 3 the sign, bits 0-2 the magnitude's index in 0, .5, 1, 1.5, 2, 3, 4, 6), then one UE8M0 scale
+    byte per 32 values."""
+
+    storage_dtype = torch.uint8
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        self.width, self.dtype = width, dtype
+        self.num_scales = -(-width // FP4_BLOCK)
+        self.stored_width = -(-width // 2) + self.num_scales
+
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
+        blocks, n = _blocks(keys.float(), FP4_BLOCK)
+        exponent = _pow2_exponent(blocks.abs().amax(dim=-1, keepdim=True), E2M1_MAX)
+        scaled = blocks / torch.pow(2.0, exponent).float()  # as `fp4_roundtrip` divides
+        _, midpoints = _e2m1_tables(str(keys.device))
+        sign = torch.signbit(scaled).to(torch.uint8) << 3  # kept for a zero too: -0.0 reads back as -0.0
+        nibbles = torch.bucketize(scaled.abs(), midpoints).to(torch.uint8) | sign
+        nibbles = nibbles.flatten(-2)[..., : n + n % 2]  # an odd width: one zero nibble more
+        return torch.cat([nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), (exponent[..., 0] + 127).to(torch.uint8)],
+                         dim=-1)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        n, half = self.width, -(-self.width // 2)
+        packed = stored[..., :half]
+        nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)[..., :n]
+        codes, _ = _e2m1_tables(str(stored.device))
+        magnitude = codes[(nibbles & 7).long()]
+        signed, _ = _blocks(torch.where((nibbles & 8) > 0, -magnitude, magnitude), FP4_BLOCK)
+        return (signed * _ue8m0(stored[..., half:])[..., None]).flatten(-2)[..., :n].to(self.dtype)
+
+
+def _ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (exponent + 127) as the fp32 powers of two they stand for: the byte is the float's exponent
+    field, so this is exact (no exp2 rounding)."""
+    return (scales.to(torch.int32) << 23).view(torch.float32)
 
 
 def use_kv_cache_dtype(model: torch.nn.Module, kv_cache_dtype: str) -> KVPrecision:

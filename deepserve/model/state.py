@@ -50,17 +50,31 @@ class RowStore:
 
 
 class WindowRing:
-    """The last `window` raw KV rows of one layer; position p lives in slot p mod window."""
+    """The last `window` raw KV rows of one layer; position p lives in slot p mod window. `codec` (a paged
+    cache's, `kv_precision.RowCodec`): the ring holds the rows in its stored form, encoded as they are written
+    and decoded as they are read; None: the ring holds the values."""
 
-    __slots__ = ("ring",)
+    __slots__ = ("ring", "codec")
 
-    def __init__(self, ring: torch.Tensor) -> None:
-        self.ring = ring  # [window, width]; may be a view into a pool of per-sequence slots
+    def __init__(self, ring: torch.Tensor, codec=None) -> None:
+        self.ring = ring  # [window, width] (stored width); may be a view into a pool of per-sequence slots
+        self.codec = codec
+
+    def _slots(self, start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, device=self.ring.device) % self.ring.shape[0]
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (values) in the ring's stored form."""
+        return rows.to(self.ring.dtype) if self.codec is None else self.codec.encode(rows)
+
+    def values(self) -> torch.Tensor:
+        """The whole ring in slot order, decoded (the ring itself where it holds the values)."""
+        return self.ring if self.codec is None else self.codec.decode(self.ring)
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end); the caller guarantees they are still in the ring."""
-        slots = torch.arange(start, end, device=self.ring.device) % self.ring.shape[0]
-        return self.ring[slots]
+        rows = self.ring[self._slots(start, end)]
+        return rows if self.codec is None else self.codec.decode(rows)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store rows of positions start, start+1, ...; only the last `window` of them can survive."""
@@ -68,19 +82,23 @@ class WindowRing:
         if rows.shape[0] > window:
             start += rows.shape[0] - window
             rows = rows[-window:]
-        slots = torch.arange(start, start + rows.shape[0], device=self.ring.device) % window
-        self.ring[slots] = rows.to(self.ring.dtype)
+        self.write_stored(start, self.encode(rows))
+
+    def write_stored(self, start: int, stored: torch.Tensor) -> None:
+        """Rows already in the stored form (a page's window snapshot) at positions start, start+1, ... (at most
+        `window` of them)."""
+        self.ring[self._slots(start, start + stored.shape[0])] = stored
 
     def save(self, start: int, end: int) -> torch.Tensor:
-        """The rows that writing positions [start, end) will overwrite (positions start - window ..), for `undo`."""
-        return self.read(start, end)  # advanced indexing: already a copy
+        """The rows (stored form) that writing positions [start, end) will overwrite (positions start - window
+        ..), for `undo`."""
+        return self.ring[self._slots(start, end)]  # advanced indexing: already a copy
 
     def undo(self, start: int, saved: torch.Tensor, keep_until: int) -> None:
         """Put back the rows `save(start, ..)` returned for the positions from `keep_until` on: rejected
         speculative writes leave the ring as it was for them."""
         if keep_until < start + saved.shape[0]:
-            slots = torch.arange(keep_until, start + saved.shape[0], device=self.ring.device) % self.ring.shape[0]
-            self.ring[slots] = saved[keep_until - start :]
+            self.ring[self._slots(keep_until, start + saved.shape[0])] = saved[keep_until - start :]
 
 
 class CompressorState:

@@ -77,7 +77,7 @@ class _SegmentStep(ContiguousStep):
 
 def _prefix_rows(pools, table: list[int], num_pages: int) -> torch.Tensor:
     pages = torch.tensor(table[:num_pages], dtype=torch.long, device=pools.rows.device)
-    return pools.rows.index_select(0, pages).reshape(-1, pools.rows.shape[-1])
+    return pools.codec.decode(pools.rows.index_select(0, pages)).reshape(-1, pools.spec.dim)
 
 
 @torch.inference_mode()
@@ -96,7 +96,7 @@ def replay_snapshot(cache: PagedKVCache, table: list[int], boundary: int, token_
     states = []
     for layer in layers:
         spec = layer.spec
-        ring = torch.zeros((spec.window, spec.width), dtype=layer.storage.dtype, device=layer.storage.device)
+        ring = torch.zeros((spec.window, spec.width), dtype=layer.dtype, device=layer.storage.device)
 
         def stream(pools):
             if pools is None:
@@ -113,7 +113,7 @@ def replay_snapshot(cache: PagedKVCache, table: list[int], boundary: int, token_
     model(batch, [seq], layout=_SegmentStep(batch, [states], model.backend, start))
     page = table[boundary // P - 1]
     for layer, st in zip(layers, states):
-        layer.snap_window[page] = st.window.read(boundary - layer.spec.window, boundary)
+        layer.snap_window[page] = layer.codec.encode(st.window.read(boundary - layer.spec.window, boundary))
         for pools, comp in ((layer.compressor, st.compressor), (layer.indexer, st.indexer)):
             if pools is not None and pools.spec.overlap:
                 pools.snap_kv[page] = comp.prev_kv

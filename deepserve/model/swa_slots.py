@@ -125,7 +125,7 @@ def state_values(cache: PagedKVCache, state: SequenceState) -> torch.Tensor:
     for owner, layers in cache.pools.items():
         states = state.layers if owner == cache.model.main_state_owner else getattr(state, owner)
         for layer, st in zip(layers, states):
-            out.append(st.window.ring.float().reshape(-1))
+            out.append(st.window.values().float().reshape(-1))
             for pools, comp in _streams(layer, st):
                 if pools is None:
                     continue
@@ -136,8 +136,7 @@ def state_values(cache: PagedKVCache, state: SequenceState) -> torch.Tensor:
                 rows = torch.zeros(((P - 1) // s.ratio, s.dim), dtype=torch.float32, device=comp.open_kv.device)
                 first, last = base // s.ratio, n // s.ratio
                 if last > first:
-                    pages, slots = comp.rows._where(first, last)
-                    rows[: last - first] = comp.rows.pool[pages, slots].float()
+                    rows[: last - first] = comp.rows.read(first, last).float()
                 out.append(rows.reshape(-1))
     return torch.cat([t.float().cpu() for t in out])
 
@@ -161,18 +160,19 @@ def unpack_state(cache: PagedKVCache, table: list[int], num_tokens: int, payload
     state, slot = cache.new_sequence(table, base)
     offset = 0
 
-    def take(shape, like: torch.Tensor) -> torch.Tensor:
+    def take(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         nonlocal offset
         n = _numel(shape)
         chunk = values[offset:offset + n].view(shape)
         offset += n
-        return chunk.to(dtype=like.dtype, device=like.device)
+        return chunk.to(dtype=dtype or like.dtype, device=like.device)
 
     try:
         for owner, layers in cache.pools.items():
             states = state.layers if owner == cache.model.main_state_owner else getattr(state, owner)
             for layer, st in zip(layers, states):
-                st.window.ring.copy_(take(st.window.ring.shape, st.window.ring))
+                # the ring in slot order, as `state_values` reads it (encoded into the cache's stored form)
+                st.window.write(0, take((layer.spec.window, layer.spec.width), st.window.ring, layer.dtype))
                 for pools, comp in _streams(layer, st):
                     if pools is None:
                         continue
@@ -182,7 +182,7 @@ def unpack_state(cache: PagedKVCache, table: list[int], num_tokens: int, payload
                     if s.overlap:
                         comp.prev_kv.copy_(take(comp.prev_kv.shape, comp.prev_kv))
                         comp.prev_gate.copy_(take(comp.prev_gate.shape, comp.prev_gate))
-                    rows = take(((P - 1) // s.ratio, s.dim), comp.rows.pool)
+                    rows = take(((P - 1) // s.ratio, s.dim), comp.rows.pool, layer.dtype)
                     num_new = num_tokens // s.ratio - base // s.ratio
                     if num_new:
                         comp.rows.append(rows[:num_new])

@@ -48,11 +48,11 @@ PAGED = True
 def layout_for(batch: ForwardBatch, layer_states: Sequence[Sequence[AttentionState]], backend,
                dtype: torch.dtype | None = None) -> StepLayout:
     """The layout of a step over `layer_states[s][i]` (sequence s, layer i, one state owner's layers): paged when
-    every state of it lives in one paged cache whose storage has `dtype` (the activations') and whose scratch
+    every state of it lives in one paged cache whose rows decode to `dtype` (the activations') and whose scratch
     region holds the step's new rows, else contiguous."""
     if PAGED and layer_states and layer_states[0]:
         pools = paged_step_pools(batch, [states[0] for states in layer_states])
-        if pools is not None and (dtype is None or pools.storage.dtype == dtype):
+        if pools is not None and (dtype is None or pools.dtype == dtype):
             return PagedStep(batch, layer_states, backend)
     return ContiguousStep(batch, layer_states, backend)
 

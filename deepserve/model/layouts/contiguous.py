@@ -86,7 +86,7 @@ class ContiguousLayer(LayerLayout):
 
         pieces, ring_base, comp_base, base = [], [], [], 0
         for st in self.states:
-            pieces.append(st.window.ring)
+            pieces.append(st.window.values())
             ring_base.append(base)
             base += st.window.ring.shape[0]
             if compressed is not None:
@@ -105,7 +105,7 @@ class ContiguousLayer(LayerLayout):
     def store_window(self, kv) -> None:
         for chunk, st, (first, rows) in zip(self.batch.chunks, self.states, self._windows):
             for boundary, page in chunk.snapshots:  # window tail [boundary - W, boundary) for prefix hits
-                st.snap_window[page] = rows[boundary - self.window - first : boundary - first]
+                st.snap_window[page] = st.window.encode(rows[boundary - self.window - first : boundary - first])
             st.window.write(chunk.start, kv[chunk.offset : chunk.offset + chunk.length])
 
 

@@ -216,12 +216,14 @@ class PagedLayer(LayerLayout):
             pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        pools.rows.index_put_((page, in_page), pooler.rows(block_kv, block_gate, first_row).to(pools.rows.dtype))
+        pools.rows.index_put_((page, in_page), pools.codec.encode(pooler.rows(block_kv, block_gate, first_row)))
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
-        """Every sequence's keys out of the page pool in one gather through the padded block tables."""
+        """Every sequence's keys out of the page pool in one gather through the padded block tables (decoded
+        after the gather: only the step's sequences' keys)."""
         counts = [st.indexer.rows.num_rows for st in self.states]
-        keys = gather_rows(self.states[0].indexer.rows.pool, self.index.tables, counts, q.device)
+        pools = self.pools.indexer
+        keys = pools.codec.decode(gather_rows(pools.rows, self.index.tables, counts, q.device))
         return topk_in_sequences(indexer, self.batch, q, weights, keys, counts)
 
     def all_visible(self, pooler, stream: str) -> torch.Tensor:
@@ -258,29 +260,48 @@ class PagedLayer(LayerLayout):
 # -- shared with the static layout
 
 
-def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools):
-    """(storage, rows): the step's keys into the scratch region, then each query's storage rows (the backend's
-    one-launch `paged_key_rows`, or the same index arithmetic in torch)."""
+def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools, fixed_shape: bool = False):
+    """(pool, rows) for `sparse_attention`: the step's keys into the scratch region, then each query's storage
+    rows (the backend's one-launch `paged_key_rows`, or the same index arithmetic in torch), read in place or
+    decoded (`attended_keys`)."""
     W, T = pools.spec.window, kv.shape[0]
     storage = pools.storage
-    storage[pools.scratch_base : pools.scratch_base + T] = kv
+    storage[pools.scratch_base : pools.scratch_base + T] = pools.codec.encode(kv)
     rows = backend.paged_key_rows(positions, index.chunk_start, index.chunk_offset, index.slot, index.query_tables,
                                   compressed, W, pools.rows_per_page, pools.comp_base, pools.scratch_base)
-    if rows is not None:
+    if rows is None:
+        parts = [window_indices(positions, W, index.chunk_start, index.slot * W,
+                                pools.scratch_base + index.chunk_offset)]
+        if compressed is not None:
+            rpp, row = pools.rows_per_page, compressed.clamp(min=0)
+            page = torch.gather(index.query_tables, 1, row // rpp)
+            parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
+        rows = torch.cat(parts, dim=1)
+    return attended_keys(pools, rows, fixed_shape)
+
+
+def attended_keys(pools, rows: torch.Tensor, fixed_shape: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool, indices) of the storage rows `rows` [T, W + K] (-1 = none): the storage itself where its codec holds
+    the values; else only the rows the step reads, decoded. A fixed-shape step (a CUDA graph's) decodes one row
+    per entry, so that nothing is sized from values; other steps decode each distinct row once (a prompt chunk's
+    queries share most of their keys)."""
+    codec, storage = pools.codec, pools.storage
+    if codec.holds_values:
         return storage, rows
-    parts = [window_indices(positions, W, index.chunk_start, index.slot * W, pools.scratch_base + index.chunk_offset)]
-    if compressed is not None:
-        rpp, row = pools.rows_per_page, compressed.clamp(min=0)
-        page = torch.gather(index.query_tables, 1, row // rpp)
-        parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
-    return storage, torch.cat(parts, dim=1)
+    if fixed_shape:
+        entry = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+        return codec.decode(storage[rows.clamp(min=0).flatten()]), torch.where(rows >= 0, entry, rows)
+    distinct, entry = torch.unique(rows.clamp(min=0), return_inverse=True)
+    return codec.decode(storage[distinct]), torch.where(rows >= 0, entry, rows)
 
 
 def write_rings(backend, pools, kv, positions, slot) -> None:
-    """Row t of kv into its sequence's window ring (rows naming distinct ring slots): all rings in one scatter."""
+    """Row t of kv into its sequence's window ring (rows naming distinct ring slots): all rings in one scatter;
+    the backend's kernel where the storage holds the values, else encoded by torch ops."""
     W = pools.spec.window
-    if not backend.paged_window_write(pools.storage, kv, positions, slot, W):
-        pools.storage.index_put_((slot * W + positions % W,), kv)
+    if pools.codec.holds_values and backend.paged_window_write(pools.storage, kv, positions, slot, W):
+        return
+    pools.storage.index_put_((slot * W + positions % W,), pools.codec.encode(kv))
 
 
 def gather_rows(pool, tables, counts: list[int], device) -> torch.Tensor:
@@ -329,4 +350,4 @@ def close_blocks(pooler, pools, block_kv, block_gate, first, slot, prev_slot, pa
         pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
         block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
         block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-    pools.rows.index_put_((page, in_page), pooler.rows(block_kv, block_gate, first).to(pools.rows.dtype))
+    pools.rows.index_put_((page, in_page), pools.codec.encode(pooler.rows(block_kv, block_gate, first)))

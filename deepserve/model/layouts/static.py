@@ -63,10 +63,15 @@ class StaticLayer(LayerLayout):
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
         """The keys read through the padded block tables: every query sees the table's full width, its own
-        count masking the rest, so nothing depends on the row counts the host keeps."""
+        count masking the rest, so nothing depends on the row counts the host keeps. Keys kept encoded (FP4)
+        are decoded for the pages of each row's table only, as [rows * width] pages the tables then number."""
         key_count = (self.positions + 1) // indexer.ratio
-        return self.backend.indexer_topk_paged(q, weights, self.pools.indexer.rows, self.index.tables, key_count,
-                                               indexer.topk)
+        pools, tables = self.pools.indexer, self.index.tables
+        pages = pools.rows
+        if not pools.codec.holds_values:
+            pages = pools.codec.decode(pages[tables]).flatten(0, 1)
+            tables = torch.arange(tables.numel(), device=tables.device).view_as(tables)
+        return self.backend.indexer_topk_paged(q, weights, pages, tables, key_count, indexer.topk)
 
     def all_visible(self, pooler, stream: str) -> VisibleRows:
         """The rule for the table's full width of rows (-1 past each query's own), which a backend's key-row kernel
@@ -77,17 +82,18 @@ class StaticLayer(LayerLayout):
 
     def keys(self, kv, compressed):
         """One token a row: the backend's `decode_key_rows` writes its key into its ring first and forms every
-        window key from there; else the paged layout's way (scratch region, rings written after)."""
+        window key from there (where the storage holds the values); else the paged layout's way (scratch region,
+        rings written after), the keys decoded one per index entry (fixed shapes)."""
         pools = self.pools
         rows = self.backend.decode_key_rows(pools.storage, kv, self.positions, self.index.slot[:, 0],
                                             self.index.query_tables, compressed, pools.spec.window,
-                                            pools.rows_per_page, pools.comp_base)
+                                            pools.rows_per_page, pools.comp_base) if pools.codec.holds_values else None
         if rows is not None:
             self._rings_written = True
             return pools.storage, rows
         if isinstance(compressed, VisibleRows):
             compressed = visible_rows(self.positions, compressed)
-        return paged_keys(self.backend, kv, self.positions, self.index, compressed, pools)
+        return paged_keys(self.backend, kv, self.positions, self.index, compressed, pools, fixed_shape=True)
 
     def store_window(self, kv) -> None:
         """(A static step's page-boundary snapshots are taken after it, from the written rings: `cuda_graphs`.)"""

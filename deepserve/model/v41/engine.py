@@ -4,11 +4,12 @@ runner, the DSpark proposer if asked, and the same KV manager, scheduler and `En
 
 The states live in the KV manager's pages (`paged.V41PagedStates`: the kv sources' rows and index keys, and
 each page's boundary snapshot for prefix hits; rings and open groups per sequence slot), as many pages as
-`kv_cache_bytes` holds. `speculative_config` method `dspark` drafts with V4.1's DSpark blocks
+`kv_cache_bytes` holds. Below the pages, V4's cache tiers (host memory, a block store) and KV events, which
+`deepserve.build` hands in. `speculative_config` method `dspark` drafts with V4.1's DSpark blocks
 (`plugins/speculative/dspark_v41.py`). The V4.1 path runs the reference's bf16 dataflow in torch ops, on the CPU
 (bit for bit the reference's) or on a CUDA device (model, states and pages there; the FP8/FP4 weights in their
-dense bf16 form, `numerics.QuantWeight.to`); options it does not have yet (cache tiers, scale-out) are refused
-by name.
+dense bf16 form, `numerics.QuantWeight.to`); options it does not have yet (scale-out, SWA host slots) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -48,12 +49,9 @@ class V41EngineCore(EngineCore):
 def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
     refused = {
         "data_parallel_size / enable_expert_parallel": config.distributed,
-        "host_cache_bytes / kv_store": config.host_cache_bytes is not None or config.kv_store is not None,
-        "kv_events_config": config.kv_events_config is not None and config.kv_events_config.enabled,
         "tensor_parallel_size": config.tensor_parallel_size != 1,
-        # V4.1 keeps every page's snapshot with the page, so no prefix needs a replay (replay.py has the
-        # bounded replay itself, measured by bench/v41_replay.py)
-        "swa_replay 'bounded'": config.swa_replay == "bounded",
+        # the slots pack V4's window state (model/swa_slots.py), not V4.1's rings, open groups and host values
+        "swa_host_slots": config.swa_host_slots is not None,
     }
     named = [k for k, on in refused.items() if on]
     if named:
@@ -81,11 +79,13 @@ class V41Engine:
 
 
 def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, make_grammars: Callable,
-                     default_kv_cache_bytes: int) -> V41Engine:
+                     default_kv_cache_bytes: int, emit: Callable | None = None,
+                     make_tiers: Callable | None = None) -> V41Engine:
     """The engine of a V4.1 checkpoint directory `config.model` on `backend`, for `deepserve.build.build_engine`,
     which passes its choices in: `make_proposer(model)` (None without `speculative_config`),
-    `make_grammars(model, tokenizer)` (the structured-output compiler, or None) and the KV budget to use
-    without `kv_cache_bytes`."""
+    `make_grammars(model, tokenizer)` (the structured-output compiler, or None), the KV budget to use
+    without `kv_cache_bytes`, the KV manager's event sink `emit` (KV events) and `make_tiers(model, states,
+    runner)`: the cache tiers below the pages and their SWA replay, as `EngineCore` keywords."""
     from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
     from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
     from deepserve.core.scheduler.scheduler import Scheduler
@@ -110,7 +110,7 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes
     num_pages = min(pages_for_budget(budget, bytes_per_page(owners, block_size)),
                     max_num_seqs * math.ceil(max_model_len / block_size))
-    kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching)
+    kv_manager = KVCacheManager(num_pages, block_size, config.enable_prefix_caching, emit=emit)
     states = V41PagedStates(owners, max_num_seqs, num_pages, block_size, device=device)
     cost_model = StepCostModel(CostModelConfig(step_time_target=config.step_time_target))
     planner = proposer.planner if proposer is not None else None
@@ -123,7 +123,8 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
                            make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
                            seed=config.seed, grammars=make_grammars(model, tokenizer),
                            num_speculative_tokens=proposer.num_speculative_tokens if proposer else 0,
-                           verify_planner=planner, image_token_id=cfg.image_token_id)
+                           verify_planner=planner, image_token_id=cfg.image_token_id,
+                           **(make_tiers(model, states, runner) if make_tiers is not None else {}))
     logger.info("deepserve: %s (V4.1) on %s, max_model_len %d, %d pages of %d tokens", config.model,
                 backend.device, max_model_len, num_pages, block_size)
     return V41Engine(model, tokenizer, max_model_len, proposer, kv_manager, states, cost_model, runner, engine)

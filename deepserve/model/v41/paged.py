@@ -10,17 +10,26 @@ Per role (`state.V41LayerStateSpec`):
 * Engram: the sequence's last max_ngram - 1 normalized ids, and the index-key publisher: host values.
 
 A page's snapshot holds what a sequence had at its end beyond the rows: every ring, the open groups, and the
-host values. `new_sequence(table, n)` after a prefix hit of n tokens starts from the snapshot of page
-table[n / page_size - 1] with n / ratio rows in the shared pages. Only the runner writes; a page's rows are
-written once, by the sequence that computed them (a hit starts after them).
+host values (a row of int64 in host memory: token count, index-key publisher, DSpark count, Engram history).
+`new_sequence(table, n)` after a prefix hit of n tokens starts from the snapshot of page table[n / page_size - 1]
+with n / ratio rows in the shared pages. Only the runner writes; a page's rows are written once, by the sequence
+that computed them (a hit starts after them).
+
+For the cache tiers below the pages (docs/cache.md) every per-page tensor is one of the block stores' pools
+(`V41PagedStates.page_pools`): `layers.rows` and `layers.index` (the kv sources' rows and index keys),
+`layers.snapshot` and `dspark_layers.snapshot` (rings and open groups at the page's end) and `sequence.snapshot`
+(the host values), copied to and from host memory by V4's page copies (`deepserve.model.kv_cache`). A store
+that keeps no snapshots (`kv_store_snapshots=False`) holds the first two; the engine then rebuilds a hit's
+snapshot by SWA replay (`V41ModelRunner.replay_snapshot`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
+from ..kv_cache import pool_page_bytes, read_pool_pages, write_pool_pages
 from .state import LayerState, V41LayerStateSpec, V41SequenceState, clone_or_none, copy_into
 
 
@@ -85,14 +94,6 @@ class PagedLayerState(LayerState):
         self.num_keys += keys.shape[0]
 
 
-@dataclass
-class _HostSnapshot:
-    num_tokens: int
-    engram_history: list[int]
-    index_key_publisher: int | None
-    dspark_num_tokens: int
-
-
 class _Pools:
     """One layer's tensors: slot-indexed ring and open group, page-indexed rows, index keys and snapshots."""
 
@@ -138,12 +139,21 @@ class _Pools:
         tensors = (self.ring_snap, self.rows, self.keys, self.open_snap)
         return sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
 
+    def page_tensors(self, pool: str) -> list[torch.Tensor]:
+        """This layer's tensors in the block stores' pool `pool` (`rows`, `index` or `snapshot`)."""
+        tensors = {"rows": [self.rows], "index": [self.keys], "snapshot": [self.ring_snap, self.open_snap]}[pool]
+        return [t for t in tensors if t is not None]
+
 
 def bytes_per_page(owners: dict[str, list], page_size: int) -> int:
     """What a page costs in the pools: the kv sources' rows and index keys, every layer's ring snapshot, the
     ratio-2 sources' open-group snapshots."""
     pools = [_Pools(s, 1, 1, page_size, "meta") for s in owners["layers"] + owners.get("dspark_layers", [])]
     return sum(p.bytes_per_page() for p in pools)
+
+
+# columns of `V41PagedStates.host_snap`
+_HOST_NUM_TOKENS, _HOST_PUBLISHER, _HOST_DSPARK_NUM_TOKENS, _HOST_HISTORY_LEN, _HOST_HISTORY = range(5)
 
 
 class V41PagedStates:
@@ -157,7 +167,9 @@ class V41PagedStates:
         self.page_size, self.num_slots, self.num_pages = page_size, num_slots, num_pages
         self.layers = [_Pools(s, num_slots, num_pages, page_size, device) for s in owners["layers"]]
         self.dspark = [_Pools(s, num_slots, num_pages, page_size, device) for s in owners.get("dspark_layers", [])]
-        self._host: dict[int, _HostSnapshot] = {}
+        self.history_size = sum(s.history for s in owners.get("engram", []))
+        # per page, the snapshot's host values (`_HOST_*` columns, then the Engram history); -1: none taken
+        self.host_snap = torch.full((num_pages, _HOST_HISTORY + self.history_size), -1, dtype=torch.int64)
         self._free_slots = list(range(num_slots))[::-1]
 
     @property
@@ -172,8 +184,8 @@ class V41PagedStates:
         if num_cached_tokens % self.page_size:
             raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
         page = table[num_cached_tokens // self.page_size - 1] if num_cached_tokens else None
-        host = self._host.get(page) if page is not None else None
-        if page is not None and (host is None or host.num_tokens != num_cached_tokens):
+        host = self.host_snap[page].tolist() if page is not None else None
+        if host is not None and host[_HOST_NUM_TOKENS] != num_cached_tokens:
             raise RuntimeError(f"page {page} holds no V4.1 snapshot at token {num_cached_tokens}")
         slot = self._free_slots.pop()
         state = V41SequenceState([p.state(slot, table, num_cached_tokens) for p in self.layers],
@@ -181,24 +193,62 @@ class V41PagedStates:
         if host is not None:
             for pools, st in zip(self.layers + self.dspark, state.layers + state.dspark):
                 pools.restore(st, page)
-            state.num_tokens, state.engram_history = host.num_tokens, list(host.engram_history)
-            state.index_key_publisher, state.dspark_num_tokens = host.index_key_publisher, host.dspark_num_tokens
+            publisher = host[_HOST_PUBLISHER]
+            state.num_tokens, state.dspark_num_tokens = num_cached_tokens, host[_HOST_DSPARK_NUM_TOKENS]
+            state.index_key_publisher = None if publisher < 0 else publisher
+            state.engram_history = host[_HOST_HISTORY : _HOST_HISTORY + host[_HOST_HISTORY_LEN]]
         return state, slot
+
+    def prefix_state(self, table: list[int], num_tokens: int) -> V41SequenceState:
+        """The kv sources' rows and index keys that the pages of `table` hold for the first `num_tokens` tokens,
+        as a state without a slot (no rings, no open groups): what `replay.replay_state` reads."""
+        return V41SequenceState([PagedLayerState(p.spec, None, None, None, p.rows, p.keys, list(table),
+                                                 num_tokens // p.spec.ratio if p.spec.owns_rows else 0)
+                                 for p in self.layers], [])
 
     def snapshot(self, page: int, state: V41SequenceState) -> None:
         """Keep what `state` (a sequence at the end of `page`) holds beyond its rows, for prefix hits on `page`."""
         for pools, st in zip(self.layers + self.dspark, state.layers + state.dspark):
             pools.save(st, page)
-        self._host[page] = _HostSnapshot(state.num_tokens, list(state.engram_history), state.index_key_publisher,
-                                         state.dspark_num_tokens)
+        history = state.engram_history
+        if len(history) > self.history_size:
+            raise ValueError(f"an Engram history of {len(history)} ids; the snapshot keeps {self.history_size}")
+        publisher = state.index_key_publisher
+        row = [state.num_tokens, -1 if publisher is None else publisher, state.dspark_num_tokens, len(history)]
+        self.host_snap[page] = torch.tensor(row + history + [-1] * (self.history_size - len(history)))
 
     def snapshot_dspark(self, page: int, state: V41SequenceState) -> None:
         """Update `page`'s snapshot with the DSpark rings, which the drafter seeds after the main forward."""
         for pools, st in zip(self.dspark, state.dspark):
             pools.save(st, page)
-        self._host[page].dspark_num_tokens = state.dspark_num_tokens
+        self.host_snap[page, _HOST_DSPARK_NUM_TOKENS] = state.dspark_num_tokens
 
     def free_sequence(self, slot: int) -> None:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not in use")
         self._free_slots.append(slot)
+
+    def page_pools(self) -> dict[str, list[torch.Tensor]]:
+        """What one page holds, as the block stores' pools: name -> the tensors indexed by page on their first
+        axis, in layer order (the module docstring names them)."""
+        pools: dict[str, list[torch.Tensor]] = {}
+        for owner, layers in (("layers", self.layers), ("dspark_layers", self.dspark)):
+            for name in ("rows", "index", "snapshot"):
+                tensors = [t for p in layers for t in p.page_tensors(name)]
+                if tensors:
+                    pools[f"{owner}.{name}"] = tensors
+        pools["sequence.snapshot"] = [self.host_snap]
+        return pools
+
+
+# the cache tiers' page copies (`deepserve.build` wires them as the engine's `PageIO`)
+def page_pool_bytes(states: V41PagedStates) -> dict[str, int]:
+    return pool_page_bytes(states.page_pools())
+
+
+def read_pages(states: V41PagedStates, pages: Sequence[int]) -> list[dict[str, bytes]]:
+    return read_pool_pages(states.page_pools(), pages)
+
+
+def write_pages(states: V41PagedStates, pages: Sequence[int], blocks: Sequence[dict[str, bytes]]) -> None:
+    write_pool_pages(states.page_pools(), pages, blocks)

@@ -11,9 +11,10 @@ the first layer, so only `length` >= window x depth gives them exactly (`exact_l
 (the ratio-1 Reuse and Reindex layers after the last kv source) own nothing per token but that ring, which is
 why a bounded replay of DeepInfer's 128 tokens rebuilds them at a fixed cost.
 
-Not wired into the engine: V4.1 keeps every page's snapshot with the page (`paged.py`), and the cache tiers
-that would drop snapshots (and so need a replay) are not built for V4.1; `bench/v41_replay.py` measures the
-quality cost and the compute a bounded replay saves.
+In the engine: a block store that keeps no window snapshots (`kv_store_snapshots=False`) hands back a prefix's
+rows without its last page's snapshot, and `V41ModelRunner.replay_snapshot` rebuilds that snapshot here before
+the hit's first step (`swa_replay`: `exact` = `exact_length`, `bounded` = `BOUNDED_LENGTH`). `bench/v41_replay.py`
+measures the quality cost and the compute a bounded replay saves.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class _FixedRowsState(LayerState):
 def replay_state(model, token_ids, boundary: int, length: int, exact: V41SequenceState) -> V41SequenceState:
     """The state at `boundary` rebuilt from the last `length` tokens before it and the kv sources' rows and
     index keys in `exact` (a state at `boundary` or past it: only its first boundary / ratio rows are read).
-    `boundary` - `length` must close every ratio-2 group (an even position), as a page boundary does."""
+    `boundary` - `length` must close every ratio-2 group (an even position), as a page boundary does. `exact`'s
+    rings are not read (the engine passes `V41PagedStates.prefix_state`, which has none)."""
     ids = list(token_ids[:boundary])
     if len(ids) != boundary:
         raise ValueError(f"a replay to {boundary} needs the {boundary} token ids before it, got {len(ids)}")
@@ -53,18 +55,19 @@ def replay_state(model, token_ids, boundary: int, length: int, exact: V41Sequenc
     begin = boundary - length
     if begin % 2:
         raise ValueError(f"a replay must start where every ratio-2 group is closed; {begin} is odd")
-    state = model.make_state(exact.layers[0].ring.device)
+    state = model.make_state(model.embed.device)
     layers = []
     for st, ex in zip(state.layers, exact.layers):
         if not st.spec.owns_rows:
             layers.append(st)
             continue
-        n = boundary // st.spec.ratio
-        if ex.rows is None or ex.rows.shape[0] < n:
+        n, rows = boundary // st.spec.ratio, ex.rows  # a paged state gathers its rows at each read: once
+        if rows is None or rows.shape[0] < n:
             raise ValueError(f"layer {st.spec.layer}: the exact state holds fewer than the {n} rows before "
                              f"{boundary}")
-        keys = ex.index_keys[:n] if ex.index_keys is not None else None
-        layers.append(_FixedRowsState(st.spec, st.ring, ex.rows[:n], keys, st.kv_open, st.score_open))
+        keys = ex.index_keys
+        layers.append(_FixedRowsState(st.spec, st.ring, rows[:n], keys[:n] if keys is not None else None,
+                                      st.kv_open, st.score_open))
     state.layers = layers
     if model.hasher is not None and begin:
         _, state.engram_history = model.hasher.hash([], torch.tensor(ids[:begin]))

@@ -100,6 +100,18 @@ class V41ModelRunner(ModelRunner):
         self._decoding.update(c.request_id for c in self._step_chunks if c.samples)
         return out
 
+    def replay_snapshot(self, table: list[int], boundary: int, token_ids, length: int) -> int:
+        """Rebuild page `table[boundary / P - 1]`'s snapshot from the rows the pages of `table` hold and the
+        `length` tokens before `boundary` (fewer where the prefix is shorter; `replay.replay_state`); returns the
+        tokens computed. The backbone only: DSpark's rings are not replayed (the engine refuses a drafter with a
+        store that keeps no snapshots). A prompt's state: pages that decode steps filled are replayed as prompt."""
+        from .replay import replay_state
+
+        length = min(length, boundary)
+        state = replay_state(self.model, token_ids, boundary, length, self.cache.prefix_state(table, boundary))
+        self.cache.snapshot(table[boundary // self.cache.page_size - 1], state)
+        return length
+
     def _state_for(self, chunk: ChunkInput) -> V41SequenceState:
         self._step_chunks.append(chunk)
         return super()._state_for(chunk)
