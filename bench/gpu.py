@@ -208,16 +208,21 @@ def prefill_flops(model, wb, length: int) -> float:
 
 
 # -- 3. transformers ------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def bench_hf(path: Path, device, dtype, prefill_lens, decode_batches, context, steps, vocab) -> dict:
+def load_hf(path: Path, device, dtype):
+    """transformers' `DeepseekV4ForCausalLM` from `path`, every parameter in `dtype`, in eval mode."""
     from transformers import DeepseekV4ForCausalLM
 
-    began = time.perf_counter()
     where = {"device_map": device} if torch.device(device).type == "cuda" else {}  # accelerate is on the GPU box
     hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=dtype, **where).eval()
     # transformers 5.17 keeps its norms and mHC weights in fp32 and hands their fp32 outputs to bf16 projections
     # (a dtype error); every parameter in the run's dtype is how it runs at all
-    hf = hf.to(dtype)
+    return hf.to(dtype)
+
+
+@torch.no_grad()
+def bench_hf(path: Path, device, dtype, prefill_lens, decode_batches, context, steps, vocab) -> dict:
+    began = time.perf_counter()
+    hf = load_hf(path, device, dtype)
     out = {"load_seconds": time.perf_counter() - began, "prefill": {}, "decode": {}}
     g = torch.Generator().manual_seed(1)
     for n in prefill_lens:
@@ -380,6 +385,36 @@ def host_profile(model, device, states, row, start) -> list[dict]:
 
 
 @torch.no_grad()
+def graph_decode(model, device, prompts, toks, ctx: int, steps: int, profile: bool = True) -> dict:
+    """The engine's decode step as CUDA graphs (`DecodeGraphs`) over a `PagedKVCache` prefilled with `prompts`
+    (each `ctx` tokens): rows of `toks` [steps + 3][B] are the fed tokens; two steps capture the bucket, then half
+    the rest each step waiting for its tokens and half pipelined as the runner does. On a CPU the static forward
+    runs eagerly. `profile` (CUDA): also the replay's GPU time and its kernels."""
+    from deepserve.model.cuda_graphs import DecodeGraphs
+
+    b = len(prompts)
+    states, cache = prefill_states(model, device, prompts, group=max(1, 16384 // ctx), extra_tokens=steps + 8)
+    dg = DecodeGraphs(model, cache, max_batch=b, max_pages=-(-(ctx + steps + 8) // PAGE_SIZE))
+    decode_steps(model, device, states, toks[:2], ctx, dg)  # captures this bucket
+    half = (len(toks) - 3) // 2
+    blocking = decode_steps(model, device, states, toks[2 : 2 + half], ctx + 2, dg)
+    s = decode_steps(model, device, states, toks[2 + half : -1], ctx + 2 + half, dg, pipelined=True)
+    row = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s, "ms_per_step_blocking": 1e3 * blocking,
+           "capture_seconds": dg.capture_seconds}
+    if profile and torch.device(device).type == "cuda":  # the replay alone: GPU time, and its kernels
+        graph = next(iter(dg._buckets.values())).graph
+        kp = kernel_profile(graph.replay)
+        row.update(replay_ms=1e3 * events(graph.replay, repeats=20), graph_kernels=kp["num_kernels"],
+                   graph_busy_ms=1e3 * kp["gpu_busy_seconds"], graph_top=kp["top"][:40])
+        print(f"    replay {row['replay_ms']:.3f} ms GPU, {kp['num_kernels']} kernels,"
+              f" busy {1e3 * kp['gpu_busy_seconds']:.3f} ms", flush=True)
+        for k in kp["top"][:15]:
+            print(f"      {1e3 * k['seconds']:7.3f} ms {k['count']:6d}x {k['kernel'][:70]}")
+    del states, cache, dg
+    return row
+
+
+@torch.no_grad()
 def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps, vocab, long_context,
                     paged: bool = True, graphs: bool = True) -> dict:
     from deepserve.model.batch import make_batch
@@ -422,32 +457,10 @@ def bench_deepserve(model, device, prefill_lens, decode_batches, context, steps,
             toks = torch.randint(2, vocab, (steps + 3, b), generator=g).tolist()
             key = f"{b}@{ctx}"
             if graphs and cache is not None:  # (on a CPU: the static forward, eagerly)
-                from deepserve.model.cuda_graphs import DecodeGraphs
-
                 # the graphs decode a second cache prefilled with the same prompts; the eager rows the first
-                twin_states, twin = prefill_states(model, device, prompts, group=max(1, 16384 // ctx),
-                                                   extra_tokens=steps + 8)
-                dg = DecodeGraphs(model, twin, max_batch=b, max_pages=-(-(ctx + steps + 8) // PAGE_SIZE))
-                decode_steps(model, device, twin_states, toks[:2], ctx, dg)  # captures this bucket
-                half = (len(toks) - 3) // 2
-                blocking = decode_steps(model, device, twin_states, toks[2 : 2 + half], ctx + 2, dg)
-                s = decode_steps(model, device, twin_states, toks[2 + half : -1], ctx + 2 + half, dg, pipelined=True)
-                out["decode_graphs"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s,
-                                             "ms_per_step_blocking": 1e3 * blocking,
-                                             "capture_seconds": dg.capture_seconds}
-                if torch.device(device).type == "cuda":  # the replay alone: GPU time, and its kernels
-                    graph = next(iter(dg._buckets.values())).graph
-                    kp = kernel_profile(graph.replay)
-                    out["decode_graphs"][key].update(
-                        replay_ms=1e3 * events(graph.replay, repeats=20), graph_kernels=kp["num_kernels"],
-                        graph_busy_ms=1e3 * kp["gpu_busy_seconds"], graph_top=kp["top"][:40])
-                    print(f"    replay {out['decode_graphs'][key]['replay_ms']:.3f} ms GPU, {kp['num_kernels']} kernels,"
-                          f" busy {1e3 * kp['gpu_busy_seconds']:.3f} ms", flush=True)
-                    for k in kp["top"][:15]:
-                        print(f"      {1e3 * k['seconds']:7.3f} ms {k['count']:6d}x {k['kernel'][:70]}")
+                out["decode_graphs"][key] = graph_decode(model, device, prompts, toks, ctx, steps)
                 print(f"  deepserve decode (CUDA graphs) batch {b} context {ctx}: {out['decode_graphs'][key]}",
                       flush=True)
-                del twin, twin_states, dg
             decode_steps(model, device, states, toks[:2], ctx)
             s = decode_steps(model, device, states, toks[2:-1], ctx + 2)
             out["decode"][key] = {"batch": b, "context": ctx, "ms_per_step": 1e3 * s, "tok_s": b / s}

@@ -14,7 +14,11 @@
 # cpu_suite.log; it must finish before the call ends); bench: the whole
 # bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench". train_profile:
-# bench/investigations/train_profile.py; picked: the GPU tests named in $PICKED (files or node ids).
+# bench/investigations/train_profile.py; picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
+# e2e_offline, e2e_server, e2e_speculative, e2e_invariance: that part of bench/e2e.py (one a call: each takes up to
+# ~9 minutes; e2e_startup first on a fresh machine, for the cold start; the checkpoint is written once into
+# /tmp/deepserve_e2e_ckpt, where a later call on the same machine finds it; $E2E_SPEC_ARGS: options for
+# bench/spec_graphs.py in e2e_speculative, e.g. "--dtype float32").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/device_env.sh
@@ -41,6 +45,8 @@ for part in $PARTS; do
         stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
         stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
         train_profile) timeout ${TRAIN_PROFILE_TIMEOUT:-120} python3 bench/investigations/train_profile.py --out "$OUT" 2>&1 | grep -v "^  " | tail -45 ;;
+        e2e_*) timeout ${E2E_TIMEOUT:-560} python3 bench/e2e.py --part "${part#e2e_}" --out "$OUT" \
+            --checkpoint /tmp/deepserve_e2e_ckpt --spec-args "${E2E_SPEC_ARGS:-}" 2>&1 | tee "$OUT/$part.log" | grep -v "^Loading" | tail -40 ;;
         picked) timeout ${PICKED_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu ${PICKED} 2>&1 | tee "$OUT/picked_tests.log" | tail -30 ;;
         # a background job of this shell (not a subshell's), so that the `wait` below keeps the call open for it
         cpu_bg) CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &

@@ -150,15 +150,25 @@ async def _client(session, ids_list: list[list[int]], args, counts: list[int]) -
         else:
             body = {"model": MODEL.name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        async with session.post("/v1/chat/completions" if args.route == "chat" else "/v1/completions",
-                                json=body) as r:
-            if r.status != 200:
-                raise SystemExit(f"the server answered {r.status}: {await r.text()}")
-            tail = b""
-            async for data in r.content.iter_any():  # only the end is parsed: the usage chunk before [DONE]
-                tail = (tail + data)[-4096:]
-        usage_line = tail.rsplit(b"data: [DONE]", 1)[0].strip().rsplit(b"data: ", 1)[-1]
-        counts.append(json.loads(usage_line)["usage"]["completion_tokens"])
+        path = "/v1/chat/completions" if args.route == "chat" else "/v1/completions"
+        counts.append((await stream_request(session, path, body))[0])
+
+
+async def stream_request(session, path: str, body: dict) -> tuple[int, float]:
+    """POST a streamed request (`body` asks for `stream_options.include_usage`) and read it to the end; returns
+    the completion tokens of its final usage chunk and the seconds until its first chunk arrived."""
+    began = time.perf_counter()
+    first = None
+    async with session.post(path, json=body) as r:
+        if r.status != 200:
+            raise SystemExit(f"the server answered {r.status}: {await r.text()}")
+        tail = b""
+        async for data in r.content.iter_any():  # only the end is parsed: the usage chunk before [DONE]
+            if first is None:
+                first = time.perf_counter() - began
+            tail = (tail + data)[-4096:]
+    usage_line = tail.rsplit(b"data: [DONE]", 1)[0].strip().rsplit(b"data: ", 1)[-1]
+    return json.loads(usage_line)["usage"]["completion_tokens"], first
 
 
 async def through_server(concurrency: int, args) -> tuple[float, float]:

@@ -164,7 +164,8 @@ def timed_generate(llm, prompts, args):
     return outs, time.perf_counter() - began
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's options (`argv`, else the command line's), with the defaults of the device they run on."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: checks the harness only")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="concurrencies (default 1 16 64)")
@@ -180,7 +181,7 @@ def main() -> None:
                     "float32 keeps the verify pass's near-ties those of plain decoding, so sequences stay on the "
                     "reference and p is the acceptance")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench" / "results")))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.quick
     args.accelerator = "nvidia" if cuda else "cpu"
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -190,6 +191,13 @@ def main() -> None:
     args.kv_cache_bytes = (8 << 30) if cuda else (256 << 20)
     if not all(0.0 <= p <= 1.0 for p in args.p) or args.k < 1:
         ap.error("--p values must be in [0, 1] and -k at least 1")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every method at every batch and p (`parse_args`'s options); returns the record (also written to --out as
+    spec_graphs.json) and prints the table."""
+    cuda = args.accelerator == "nvidia"
     shapes = base.QUICK if args.quick else base.V4_FLASH_LAYER
     cfg = dict(shapes, n_routed_experts=args.experts if not args.quick else 8, layer_types=LAYERS,
                num_hidden_layers=len(LAYERS), mlp_layer_types=["hash_moe"] + ["moe"] * (len(LAYERS) - 1))
@@ -262,6 +270,11 @@ def main() -> None:
     print(table(record))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spec_graphs.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main() -> None:
+    run(parse_args())
 
 
 def table(record: dict) -> str:
