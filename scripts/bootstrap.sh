@@ -12,6 +12,9 @@ python -m pip install -q -e ".[test]"
 # xgrammar's optional backend: its wheel declares triton and a CUDA torch as requirements, which it does not need
 # for grammar masks on the CPU; install it without them so the xgrammar tests run here too.
 python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+# Triton's CPU interpreter runs the NVIDIA backend's kernels in the CPU suite (tests/test_quant_triton.py,
+# tests/test_nvidia_interpreted.py): its wheel alone (the GPU machine's 3.6), torch being there already.
+python -c "import triton" 2>/dev/null || python -m pip install -q --no-deps "triton==3.6.0"
 # The Redis block store's tests start a redis-server of their own (tests/test_cache_redis.py): Debian's package where
 # apt-get can install it (CI and developers' machines run as root); the tests skip, saying why, without one.
 # The Mooncake store's tests (tests/test_cache_mooncake.py) start a mooncake_master of their own from Mooncake's

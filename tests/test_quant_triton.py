@@ -160,5 +160,8 @@ def test_kernel_against_dequantized_reference(interpreted, case):
 
 
 if __name__ == "__main__":
+    from deepserve.backends.nvidia.interpreted import support_kernels
+
     torch.set_num_threads(1)
+    support_kernels()  # numpy >= 2.4 and the libdevice math under the interpreter
     print(json.dumps(run_cases()))

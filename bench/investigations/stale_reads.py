@@ -50,20 +50,21 @@ def wrap_backend(backend, trace: list) -> None:
                    for a in args]
             out = _fn(*args, **kw)
             outs = out if isinstance(out, tuple) else (out,)
-            trace.append((_name, ins, [digest(o) for o in outs if isinstance(o, torch.Tensor)]))
+            shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            trace.append((_name, ins, [digest(o) for o in outs if isinstance(o, torch.Tensor)], shapes))
             return out
 
         setattr(backend, name, functools.wraps(fn)(wrapped))
 
 
 def first_divergence(a: list, b: list) -> dict | None:
-    for i, ((na, ia, oa), (nb, ib, ob)) in enumerate(zip(a, b)):
+    for i, ((na, ia, oa, sa), (nb, ib, ob, sb)) in enumerate(zip(a, b)):
         if na != nb:
             return {"call": i, "op": na, "other_op": nb, "what": "different op sequence"}
         if oa != ob:
             return {"call": i, "op": na, "inputs_equal": ia == ib,
                     "differing_inputs": [k for k, (x, y) in enumerate(zip(ia, ib)) if x != y],
-                    "ops_before": [n for n, _, _ in a[max(0, i - 6):i]]}
+                    "shapes": sa, "other_shapes": sb, "ops_before": [n for n, *_ in a[max(0, i - 6):i]]}
     return None if len(a) == len(b) else {"call": min(len(a), len(b)), "what": "different lengths"}
 
 
@@ -73,14 +74,23 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: checks the harness only")
+    ap.add_argument("--interpret", action="store_true",
+                    help="tiny shapes, the NVIDIA backend's kernels on the CPU under Triton's interpreter (needs "
+                         "TRITON_INTERPRET=1 in the environment): finds a kernel's stale reads without a GPU")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-eager: decode steps through the static (CUDA-graph) layout")
     args = ap.parse_args()
+    if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--interpret needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
+    args.quick = args.quick or args.interpret
     from bench.startup import write_checkpoint
     from deepserve import LLM, SamplingParams
 
     ckpt = write_checkpoint(Path(tempfile.mkdtemp(prefix="deepserve_stale_")) / "ckpt", args.experts, args.quick)
-    llm = LLM(model=str(ckpt), dtype="float32" if args.quick else "bfloat16",
-              accelerator="cpu" if args.quick else "nvidia", max_num_seqs=64, max_model_len=2048,
-              enable_prefix_caching=False, enforce_eager=True)
+    on = {"accelerator": "nvidia", "device": "cpu", "dtype": "bfloat16"} if args.interpret else \
+        {"accelerator": "cpu", "dtype": "float32"} if args.quick else {"accelerator": "nvidia", "dtype": "bfloat16"}
+    llm = LLM(model=str(ckpt), max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False,
+              enforce_eager=args.eager, **on)
     vocab = llm.model.cfg.vocab_size
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=1)
     trace: list = []
@@ -123,7 +133,7 @@ def main() -> None:
     again, lp2 = run()
     poisoned_fields = poison()
     after_nan, lp3 = run()
-    run(3 if args.quick else 63)
+    run(3 if args.quick else 63)  # (the key "after_batch_64" names the GPU run's batch)
     after_batch, lp4 = run()
     result = {"poisoned_fields": poisoned_fields, "calls_per_run": len(first),
               "again": {"logprobs_equal": lp1 == lp2, "divergence": first_divergence(first, again)},

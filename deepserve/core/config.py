@@ -407,7 +407,8 @@ class EngineConfig:
       1, 2, 4, 8, 12, 16, 24, 32, 48, ... up to `max_num_seqs`); a step of more sequences runs without a graph.
       `load_plugins`: load third-party plugins from the `deepserve` entry points.
     - `batch_invariant`: True asks every backend for ops whose results do not depend on the batch (the CPU
-      reference's exact ops; on NVIDIA its reference ops on the GPU, slow); False for the fastest ones (the CPU
+      reference's exact ops; on NVIDIA its kernels with fixed tiles and reduction orders, the reference's exact ops
+      for the rest, no CUDA graphs); False for the fastest ones (the CPU
       reference on torch's kernels: 2.6-4x faster, not batch-invariant); None, each backend's default (CPU
       exact, NVIDIA fast). `DEEPSERVE_BATCH_INVARIANT` sets it when not given.
     - Scale-out (docs/distributed.md; vLLM's names): `data_parallel_size` ranks, one engine process each

@@ -16,6 +16,7 @@ from deepserve.core.env import cache_dir
 from deepserve.core.interfaces import BackendUnavailable
 
 from . import vendor
+from .interpreted import interpreting, support_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
         return False
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -64,33 +69,36 @@ class NvidiaBackend(ReferenceBackend):
     `fast=False` runs the reference ops on the GPU (the oracle, batch-invariant, slow). Without triton the
     GEMMs still use cuBLAS directly and the other ops fall back to the reference.
 
+    `device="cpu"` with TRITON_INTERPRET=1 set runs the same path, kernels included, on CPU tensors under
+    Triton's interpreter (no DeepGEMM, no CUDA graphs): slow, for tests and investigations without a GPU
+    (tests/test_nvidia_interpreted.py, bench/investigations/stale_reads.py --interpret).
+
     Raises `BackendUnavailable` when torch sees no CUDA device, or `device` is not one it sees.
     """
 
     name = "nvidia"
 
-    def __init__(self, device: str = "cuda:0", fast: bool = True) -> None:
-        if not torch.cuda.is_available():
-            raise BackendUnavailable(
-                "the nvidia backend needs a CUDA GPU, but torch.cuda.is_available() is False here "
-                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
-                "use accelerator 'cpu' or 'auto', or install a CUDA build of torch"
-            )
+    def __init__(self, device: str = "cuda:0", fast: bool = True, invariant: bool = False) -> None:
         dev = torch.device(device)
-        if dev.type != "cuda":
-            raise BackendUnavailable(f"the nvidia backend runs on a cuda device, not {device!r}")
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise BackendUnavailable(
-                f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)"
-            )
-        super().__init__(device=f"cuda:{index}")
-        self.device_name: str = torch.cuda.get_device_name(index)
-        self.compute_capability: tuple[int, int] = torch.cuda.get_device_capability(index)
+        if dev.type == "cpu" and interpreting():
+            # the whole path, Triton kernels included, on CPU tensors under Triton's interpreter: slow, for
+            # tests and investigations on machines without a GPU (the kernels' own reads and writes, unchanged)
+            super().__init__(device="cpu")
+            self.device_name, self.compute_capability = "triton interpreter", (9, 0)
+        else:
+            self._check_cuda(device, dev)
+            index = torch.cuda.current_device() if dev.index is None else dev.index
+            super().__init__(device=f"cuda:{index}")
+            self.device_name: str = torch.cuda.get_device_name(index)
+            self.compute_capability: tuple[int, int] = torch.cuda.get_device_capability(index)
+        self._kernel_device = torch.device(self.device).type
         self.fast = fast
+        self.invariant = fast and invariant
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
-        self.deep_gemm = vendor.load_deep_gemm(index) if fast else None  # `vendor.py`: None unless it loads
+        on_gpu = self._kernel_device == "cuda"  # `vendor.py`: DeepGEMM, None unless it loads
+        self.deep_gemm = vendor.load_deep_gemm(torch.device(self.device).index) \
+            if fast and on_gpu and not self.invariant else None
         self.deep_gemm_fp8 = vendor.Fp8Gemm(self.deep_gemm) if self.deep_gemm is not None else None
         # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`,
         # `gemv`): zero between launches, so one stream's kernels share them
@@ -100,18 +108,47 @@ class NvidiaBackend(ReferenceBackend):
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
                 from .triton_ops import attention, decode, elementwise, fp4_moe, fp8_linear, gemv, indexer, mhc, moe
+                from .triton_ops import invariant as invariant_ops
             except Exception as e:  # noqa: BLE001 - any import failure of triton means "no kernels"
                 logger.warning("triton is installed but its kernels do not import (%s): running without them", e)
             else:
                 self.kernels = SimpleNamespace(attention=attention, decode=decode, elementwise=elementwise,
                                                gemv=gemv, indexer=indexer, mhc=mhc, moe=moe, fp8_linear=fp8_linear,
-                                               fp4_moe=fp4_moe)
-                self.cuda_graphs = True  # every op on the decode path is a kernel or a sync-free torch op
+                                               fp4_moe=fp4_moe, invariant=invariant_ops)
+                # every op on the decode path is a kernel or a sync-free torch op. Not in the batch-invariant mode:
+                # a graphed decode step forms a closing block's compressed row with its own kernel, a step with a
+                # prefill in it with the prefill's pooling, so the row's bits would depend on what shared its step
+                self.cuda_graphs = not self.invariant
+                if self._kernel_device == "cpu":
+                    support_kernels()
                 self._arrivals = torch.zeros(4096, dtype=torch.int32, device=self.device)
+
+    @staticmethod
+    def _check_cuda(device: str, dev: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                "the nvidia backend needs a CUDA GPU, but torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
+                "use accelerator 'cpu' or 'auto', or install a CUDA build of torch (device 'cpu' with "
+                "TRITON_INTERPRET=1 runs the kernels under Triton's interpreter, for tests)"
+            )
+        if dev.type != "cuda":
+            raise BackendUnavailable(f"the nvidia backend runs on a cuda device, not {device!r} (or on 'cpu' "
+                                     "under Triton's interpreter, TRITON_INTERPRET=1)")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise BackendUnavailable(
+                f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)"
+            )
+
+    def _here(self, x: torch.Tensor) -> bool:
+        """Whether the kernels take `x`: a tensor on the device they run on (CUDA, or the CPU when interpreted)."""
+        return x.device.type == self._kernel_device
 
     def __repr__(self) -> str:
         major, minor = self.compute_capability
         path = "reference ops" if not self.fast else ("triton" if self.kernels else "cuBLAS only")
+        path += ", batch-invariant" if self.invariant else ""
         path += " + deep_gemm" if self.deep_gemm is not None else ""
         return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor}, {path})"
 
@@ -119,12 +156,22 @@ class NvidiaBackend(ReferenceBackend):
     def _gemv(self, x, weight) -> bool:
         """Whether `gemv` takes this product: 1-4 rows, 16-bit operands of one dtype, at least 1024 columns
         (narrower ones have too few column blocks for the K split to fill the GPU; cuBLAS does them)."""
-        return (self.kernels is not None and x.shape[0] <= self.kernels.gemv.MAX_ROWS and x.is_cuda
+        return (self.kernels is not None and not self.invariant and x.shape[0] <= self.kernels.gemv.MAX_ROWS
+                and self._here(x)
                 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
                 and weight[..., 0].numel() >= 1024)
 
+    def _invariant_gemm(self, x, weight) -> bool:
+        """Whether the batch-invariant GEMM takes this product (the batch-invariant mode's kernels, operands of one
+        dtype; else the reference's exact GEMM, invariant too)."""
+        return self.invariant and self.kernels is not None and self._here(x) and x.dtype == weight.dtype
+
     def linear(self, x, weight):
         if not self.fast:
+            return super().linear(x, weight)
+        if self.invariant:
+            if self._invariant_gemm(x, weight):
+                return self.kernels.invariant.matmul(x, weight)
             return super().linear(x, weight)
         if self._gemv(x, weight):
             return self.kernels.gemv.gemv(x, weight, counters=self._arrivals)
@@ -140,12 +187,19 @@ class NvidiaBackend(ReferenceBackend):
         output (the products of the operands' values, as the fp32 reference computes them), reading the weight at
         half the bytes of an fp32 copy. None when this torch or GPU cannot, or the operands differ in dtype (an
         fp32 operand would be rounded)."""
-        if not self._mixed_head or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+        if self._invariant_gemm(x, weight) and weight.dtype in (torch.bfloat16, torch.float16):
+            return self.kernels.invariant.matmul(x, weight, torch.float32)
+        if (self.invariant or not self._mixed_head or x.dtype != weight.dtype
+                or weight.dtype not in (torch.bfloat16, torch.float16)):
             return None
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
 
     def grouped_linear(self, x, weight):
         if not self.fast:
+            return super().grouped_linear(x, weight)
+        if self.invariant:
+            if self._invariant_gemm(x, weight):
+                return self.kernels.invariant.matmul(x, weight)
             return super().grouped_linear(x, weight)
         if self._gemv(x, weight):
             return self.kernels.gemv.grouped_gemv(x, weight, counters=self._arrivals)
@@ -159,7 +213,8 @@ class NvidiaBackend(ReferenceBackend):
     def _stored_path(self, x) -> str | None:
         """`gemv` (a few rows: W8A16, split K), `fp8` (FP8 activations on FP8 tensor cores, sm_89 and later), or
         None: dequantize and take the bf16 path (no kernels, fp32 activations, or a long step on an older GPU)."""
-        if self.kernels is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        if (self.kernels is None or self.invariant or not self._here(x)
+                or x.dtype not in (torch.bfloat16, torch.float16)):
             return None
         if x.shape[0] <= self.kernels.fp8_linear.GEMV_ROWS:
             return "gemv"
@@ -184,8 +239,11 @@ class NvidiaBackend(ReferenceBackend):
                                                   act_fp8=path == "fp8")
 
     def quantized_moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
-        """FP4 experts through the W4A16 grouped kernels; FP8 experts dequantized for the bf16 kernels."""
-        if self.kernels is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        """FP4 experts through the W4A16 grouped kernels; FP8 experts dequantized for the bf16 kernels (and every
+        stored expert in the batch-invariant mode, for its fixed-tile kernels)."""
+        if self.invariant and self.kernels is not None and self._here(x):
+            return self.moe_experts(x, topk_ids, topk_weights, w13.dequantize(x.dtype), w2.dequantize(x.dtype), limit)
+        if self.kernels is None or not self._here(x) or x.dtype not in (torch.bfloat16, torch.float16):
             return super().quantized_moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
         if w13.fp4 and w2.fp4:
             return self.kernels.fp4_moe.fp4_moe_experts(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data,
@@ -194,23 +252,23 @@ class NvidiaBackend(ReferenceBackend):
 
     # -- elementwise ---------------------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
-        if self.kernels is None or not x.is_cuda:
+        if self.kernels is None or not self._here(x):
             return super().rms_norm(x, weight, eps)
         return self.kernels.elementwise.rms_norm(x, weight, eps)
 
     def apply_rope(self, x, positions, inv_freq, inverse=False, inplace=False):
-        if self.kernels is None or not x.is_cuda:
+        if self.kernels is None or not self._here(x):
             return super().apply_rope(x, positions, inv_freq, inverse)
         return self.kernels.elementwise.apply_rope(x, positions, inv_freq, inverse, inplace=inplace)
 
     def rms_norm_rope(self, x, weight, eps, positions, inv_freq):
-        if self.kernels is None or not x.is_cuda or x.shape[-1] > 4096 or 2 * inv_freq.shape[0] > x.shape[-1]:
+        if self.kernels is None or not self._here(x) or x.shape[-1] > 4096 or 2 * inv_freq.shape[0] > x.shape[-1]:
             return super().rms_norm_rope(x, weight, eps, positions, inv_freq)
         return self.kernels.elementwise.rms_norm_rope(x, weight, eps, positions, inv_freq)
 
     def qk_norm_rope(self, q, kv, kv_weight, eps, positions, inv_freq):
         d = q.shape[-1]
-        if (self.kernels is None or not q.is_cuda or q.dim() != 3 or kv.dim() != 2 or d > 4096
+        if (self.kernels is None or not self._here(q) or q.dim() != 3 or kv.dim() != 2 or d > 4096
                 or 2 * inv_freq.shape[0] > d or kv.shape[-1] != d):
             return super().qk_norm_rope(q, kv, kv_weight, eps, positions, inv_freq)
         return self.kernels.elementwise.qk_norm_rope(q, kv, kv_weight, eps, positions, inv_freq)
@@ -223,27 +281,29 @@ class NvidiaBackend(ReferenceBackend):
     def swiglu(self, gate, up, limit):
         if not self.fast:
             return super().swiglu(gate, up, limit)
-        if self.kernels is not None and gate.is_cuda and gate.dim() == 2:
+        if self.kernels is not None and self._here(gate) and gate.dim() == 2:
             return self.kernels.elementwise.swiglu(gate, up, limit)
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     def route_hidden(self, x, weight, bias, tid2eid, token_ids, top_k, scale):
         """`route_hidden` for up to 16 tokens with a 16-bit router weight of x's dtype, at most 256 experts."""
-        if (self._arrivals is None or not x.is_cuda or not 0 < x.shape[0] <= self.kernels.moe.ROUTE_HIDDEN_TOKENS
+        if (self._arrivals is None or self.invariant or not self._here(x)
+                or not 0 < x.shape[0] <= self.kernels.moe.ROUTE_HIDDEN_TOKENS
                 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
                 or weight.shape[0] > 256 or x.stride(-1) != 1 or weight.stride(-1) != 1):
             return None
         return self.kernels.moe.route_hidden(x, weight, bias, tid2eid, token_ids, top_k, scale, self._arrivals)
 
     def route(self, logits, bias, hash_ids, top_k, scale):
-        if self.kernels is None or not logits.is_cuda or logits.shape[1] > 4096:
+        if self.kernels is None or not self._here(logits) or logits.shape[1] > 4096:
             return super().route(logits, bias, hash_ids, top_k, scale)
         return self.kernels.moe.route(logits, bias, hash_ids, top_k, scale)
 
     # -- mHC -----------------------------------------------------------------------------------------------------
     def _hc_fast(self, streams) -> bool:
         n = streams.shape[1]
-        return self.kernels is not None and streams.is_cuda and n & (n - 1) == 0
+        # (the batch-invariant mode: the reference's exact ops; these kernels split the mix by the batch's rows)
+        return self.kernels is not None and not self.invariant and self._here(streams) and n & (n - 1) == 0
 
     def hc_pre(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
         if not self._hc_fast(streams):
@@ -266,6 +326,8 @@ class NvidiaBackend(ReferenceBackend):
         return self.kernels.mhc.hc_post_mix(streams, block_out, post, comb, next_fn)
 
     def decoder_stack(self):
+        if self.invariant:
+            return super().decoder_stack()
         from .fused_stack import run_decoder_stack
 
         return functools.partial(run_decoder_stack, self)
@@ -280,7 +342,7 @@ class NvidiaBackend(ReferenceBackend):
         return self.fast and self._hc_fast(streams) and fn.shape[0] == streams.shape[1] and scale.numel() == 1
 
     def hc_head(self, streams, fn, base, scale, hc_eps, norm_eps):
-        if not self.fast:
+        if not self.fast or self.invariant:
             return super().hc_head(streams, fn, base, scale, hc_eps, norm_eps)
         if self._hc_head_fast(streams, fn, scale):
             return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
@@ -295,27 +357,38 @@ class NvidiaBackend(ReferenceBackend):
         return self.kernels.mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps, norm=(weight, eps), mix=mix)
 
     # -- attention -----------------------------------------------------------------------------------------------
+    def _attention_tiles(self, q) -> dict | None:
+        """The batch-invariant mode's tiles: from the head count and width only, one part per query (each query's
+        keys in one online softmax, in list order, whatever the step's size); else None (chosen per step)."""
+        if not self.invariant:
+            return None
+        H, d = q.shape[1], q.shape[2]
+        return {"block_h": max(16, min(32 if d >= 256 else 64, triton_next_pow2(H))), "block_n": 64 if d <= 512 else 32,
+                "num_warps": 8 if d >= 256 else 4, "num_stages": 2, "splits": 1}
+
     def sparse_attention(self, q, kv, indices, sinks, scale):
         d = q.shape[-1]
-        if self.kernels is None or not q.is_cuda or d & (d - 1):
+        if self.kernels is None or not self._here(q) or d & (d - 1):
             return super().sparse_attention(q, kv, indices, sinks, scale)
-        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale)
+        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale,
+                                                 tiles=self._attention_tiles(q))
 
     def sparse_attention_rope(self, q, kv, indices, sinks, scale, positions, inv_freq):
         d = q.shape[-1]
-        if self.kernels is None or not q.is_cuda or d & (d - 1) or 2 * inv_freq.shape[0] > d:
+        if self.kernels is None or not self._here(q) or d & (d - 1) or 2 * inv_freq.shape[0] > d:
             return super().sparse_attention_rope(q, kv, indices, sinks, scale, positions, inv_freq)
-        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale, rope=(positions, inv_freq))
+        return self.kernels.attention.sparse_mqa(q, kv.to(q.dtype), indices, sinks, scale, rope=(positions, inv_freq),
+                                                 tiles=self._attention_tiles(q))
 
     def softmax_pool(self, values, gates):
-        if not self.fast:
+        if not self.fast or self.invariant:
             return super().softmax_pool(values, gates)
         return (values.float() * torch.softmax(gates.float(), dim=1)).sum(dim=1)
 
     def compress_decode(self, kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv,
                         prev_gate, rows, norm_weight, inv_freq, eps):
         D = rows.shape[-1]
-        if self.kernels is None or not kv.is_cuda or D & (D - 1):
+        if self.kernels is None or self.invariant or not self._here(kv) or D & (D - 1):
             return False
         self.kernels.decode.compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, open_gate,
                                             prev_kv, prev_gate, rows, norm_weight, inv_freq, eps)
@@ -323,40 +396,45 @@ class NvidiaBackend(ReferenceBackend):
 
     def paged_key_rows(self, positions, chunk_start, chunk_offset, slot, tables, compressed, window, rows_per_page,
                        comp_base, scratch_base):
-        if self.kernels is None or not positions.is_cuda:
+        if self.kernels is None or not self._here(positions):
             return None
         return self.kernels.decode.paged_key_rows(positions, chunk_start, chunk_offset, slot, tables, compressed,
                                                   window, rows_per_page, comp_base, scratch_base)
 
     def decode_key_rows(self, storage, kv, positions, slot, tables, compressed, window, rows_per_page, comp_base):
-        if (self.kernels is None or not kv.is_cuda or kv.stride(-1) != 1 or storage.stride(-1) != 1
+        if (self.kernels is None or not self._here(kv) or kv.stride(-1) != 1 or storage.stride(-1) != 1
                 or kv.dtype != storage.dtype):
             return None
         return self.kernels.decode.decode_key_rows(storage, kv, positions, slot, tables, compressed, window,
                                                    rows_per_page, comp_base)
 
     def paged_window_write(self, storage, kv, positions, slot, window):
-        if self.kernels is None or not kv.is_cuda or kv.stride(-1) != 1 or storage.stride(-1) != 1:
+        if self.kernels is None or not self._here(kv) or kv.stride(-1) != 1 or storage.stride(-1) != 1:
             return False
         self.kernels.decode.paged_window_write(storage, kv, positions, slot, window)
         return True
 
     def indexer_topk_paged(self, q, weights, pages, tables, key_count, topk):
         di = q.shape[-1]
-        if self.kernels is None or not q.is_cuda or di & (di - 1):
+        if self.kernels is None or not self._here(q) or di & (di - 1):
             return super().indexer_topk_paged(q, weights, pages, tables, key_count, topk)
-        return self.kernels.indexer.indexer_topk_paged(q, weights, pages, tables, key_count, topk)
+        return self.kernels.indexer.indexer_topk_paged(q, weights, pages, tables, key_count, topk,
+                                                       lowest_on_ties=self.invariant)
 
     def indexer_topk(self, q, weights, keys, key_start, key_count, topk):
         di = q.shape[-1]
-        if self.kernels is None or not q.is_cuda or di & (di - 1):
+        if self.kernels is None or not self._here(q) or di & (di - 1):
             return super().indexer_topk(q, weights, keys, key_start, key_count, topk)
-        return self.kernels.indexer.indexer_topk(q, weights, keys, key_start, key_count, topk)
+        return self.kernels.indexer.indexer_topk(q, weights, keys, key_start, key_count, topk,
+                                                 lowest_on_ties=self.invariant)
 
     # -- MoE -----------------------------------------------------------------------------------------------------
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
-        if self.kernels is None or not x.is_cuda:
+        if self.kernels is None or not self._here(x):
             return super().moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
+        if self.invariant:
+            return self.kernels.moe.moe_experts(x, topk_ids, topk_weights, w13, w2, limit,
+                                                tiles=self.kernels.moe.INVARIANT_TILES, ordered_sum=True)
         if self._deep_gemm_moe(x, topk_ids, w13, w2):
             try:
                 return vendor.moe_experts_deep_gemm(self.deep_gemm, x, topk_ids, topk_weights, w13, w2, limit)
@@ -377,7 +455,8 @@ class NvidiaBackend(ReferenceBackend):
         """`moe_small` for a single token (`SMALL_TOKENS`) with 16-bit weights of x's dtype, contiguous rows, and a
         shared expert of the routed experts' shapes, hidden size at most 64K; else None (the grouped kernels, then
         the shared expert)."""
-        if (self._arrivals is None or not x.is_cuda or not 0 < x.shape[0] <= self.kernels.moe.SMALL_TOKENS
+        if (self._arrivals is None or self.invariant or not self._here(x)
+                or not 0 < x.shape[0] <= self.kernels.moe.SMALL_TOKENS
                 or x.shape[1] > 65536
                 or x.dtype not in (torch.bfloat16, torch.float16)
                 or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in (w13, w2, shared_w13, shared_w2))

@@ -24,5 +24,6 @@ def deepserve_select_backend(config: EngineConfig) -> Backend | None:
         return None
     from deepserve.backends.nvidia import NvidiaBackend
 
-    # batch_invariant=True: the reference ops on the GPU (batch-invariant, slow); else the kernels
-    return NvidiaBackend(device=config.device or "cuda:0", fast=config.batch_invariant is not True)
+    # batch_invariant=True: the kernels with fixed tiles and reduction orders, the rest the reference's exact ops
+    # (NvidiaBackend(invariant=True)); else the kernels as fast as they go
+    return NvidiaBackend(device=config.device or "cuda:0", invariant=config.batch_invariant is True)

@@ -76,9 +76,10 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
     return out
 
 
-def indexer_topk(q, weights, keys, key_start, key_count, topk: int) -> torch.Tensor:
+def indexer_topk(q, weights, keys, key_start, key_count, topk: int, lowest_on_ties: bool = False) -> torch.Tensor:
     """The backend op: top-k rows by score, ascending row order, -1 in unused slots. Ties among equal scores
-    go to whichever row torch.topk returns first (not pinned to the lowest row, unlike the reference)."""
+    go to whichever row torch.topk returns first (not pinned to the lowest row, unlike the reference), or with
+    `lowest_on_ties` to the lowest rows, as the reference pins them."""
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     width = int(key_count.max().item()) if T else 0  # the compressor syncs on the same count already
@@ -90,15 +91,14 @@ def indexer_topk(q, weights, keys, key_start, key_count, topk: int) -> torch.Ten
         out[:, :width] = chosen
         return out
     scores = indexer_scores(q, weights, keys, key_start, key_count, width)
-    values, cols = torch.topk(scores, topk, dim=1, sorted=False)
-    cols = torch.where(values > float("-inf"), cols, width).sort(dim=1).values
+    cols = _top_columns(scores, topk, width, lowest_on_ties)
     return torch.where(cols < width, key_start[:, None] + cols, -1)
 
 
-def indexer_topk_paged(q, weights, pages, tables, key_count, topk: int) -> torch.Tensor:
+def indexer_topk_paged(q, weights, pages, tables, key_count, topk: int, lowest_on_ties: bool = False) -> torch.Tensor:
     """The backend op `indexer_topk_paged`: `indexer_topk` with the keys read through block tables and every
     shape from the table's width (no host sync: a CUDA graph can hold it). Key numbers within each query's own
-    keys, ascending, -1 in unused slots."""
+    keys, ascending, -1 in unused slots; `lowest_on_ties` as `indexer_topk`'s."""
     T, P = tables.shape
     width = P * pages.shape[1]
     offs = torch.arange(width, device=q.device)
@@ -107,6 +107,17 @@ def indexer_topk_paged(q, weights, pages, tables, key_count, topk: int) -> torch
         out[:, :width] = torch.where(offs[None, :] < key_count[:, None], offs[None, :], -1)
         return out
     scores = indexer_scores(q, weights, pages, None, key_count, width, tables=tables)
-    values, cols = torch.topk(scores, topk, dim=1, sorted=False)
-    cols = torch.where(values > float("-inf"), cols, width).sort(dim=1).values
+    cols = _top_columns(scores, topk, width, lowest_on_ties)
     return torch.where(cols < width, cols, -1)
+
+
+def _top_columns(scores: torch.Tensor, topk: int, width: int, lowest_on_ties: bool) -> torch.Tensor:
+    """Each row's `topk` best columns, ascending, `width` where fewer than `topk` keys are visible (score -inf).
+    `lowest_on_ties`: among equal scores the lowest columns win, as the reference pins it (a stable descending
+    sort: a full sort of the row, for the batch-invariant mode); else whichever `torch.topk` returns first."""
+    if lowest_on_ties:
+        values, cols = torch.sort(scores, dim=1, descending=True, stable=True)
+        values, cols = values[:, :topk], cols[:, :topk]
+    else:
+        values, cols = torch.topk(scores, topk, dim=1, sorted=False)
+    return torch.where(values > float("-inf"), cols, width).sort(dim=1).values

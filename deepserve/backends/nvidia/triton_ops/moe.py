@@ -181,12 +181,18 @@ def _block_m(num_pairs: int) -> int:
     return 16 if num_pairs <= 512 else 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else 128
 
 
+#: the batch-invariant mode's tiles (`NvidiaBackend(invariant=True)`): one block of slots and one K step whatever
+#: the step routes (the autotuner picks BLOCK_K 64 or 128 by timing, per process: the bits of a sum over K follow)
+INVARIANT_TILES = {"block_m": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, limit: float, pair_out: torch.Tensor | None = None,
-                tiles: dict | None = None) -> torch.Tensor:
+                tiles: dict | None = None, ordered_sum: bool = False) -> torch.Tensor:
     """x [T, D], topk_ids/topk_weights [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D] in x.dtype.
     `tiles` fixes the tiles instead of the autotuner's pick (block_m, and BLOCK_N, BLOCK_K, num_warps,
-    num_stages for both GEMMs): bench/investigations/kernel_sweep.py."""
+    num_stages for both GEMMs): bench/investigations/kernel_sweep.py. `ordered_sum`: each token's k expert rows
+    added in fp32 in routing order, one elementwise add each (torch's sum over k picks its reduction by shape)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -213,6 +219,12 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         BLOCK_M=bm, PRECISION=dot_precision(x.dtype), **fixed,
     )
+    if ordered_sum:
+        rows = pair_out.view(T, top_k, D)
+        acc = rows[:, 0].float()
+        for k in range(1, top_k):
+            acc = acc + rows[:, k].float()
+        return acc.to(x.dtype)
     return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
 
 
