@@ -4,7 +4,7 @@ else is in the batch, and what does the batch-invariant mode cost?
     python3 bench/batch_invariance_gpu.py [--experts 8] [--tokens 24] [--out DIR]
 
 On a V4-Flash-shaped random checkpoint (bench/startup.py's), for `LLM(batch_invariant=False)` (the NVIDIA
-kernels, CUDA graphs) and `LLM(batch_invariant=True)` (the reference backend's exact ops on the GPU), request A
+kernels, CUDA graphs) and `LLM(batch_invariant=True)` (the kernels with fixed tiles and reduction orders, no graphs), request A
 (greedy, logprobs) runs alone, beside 3 others, beside 63 others, and alone again; the report says whether A's
 tokens and logprob bits were the same each time, and the decode step of each mode at batch 1 and 4
 ((time of a `--tokens` generate - time of a 1-token generate) / (tokens - 1)). Writes batch_invariance_gpu.json.
