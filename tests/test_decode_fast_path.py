@@ -106,10 +106,10 @@ def ids(rng, n):
 @torch.inference_mode()
 def test_fast_path_equals_general_path_on_random_paged_batches(model, general_path, monkeypatch, seed):
     taken = Counter()
-    for name in ("keys", "_emit_single_tokens", "_emit_chunks"):
+    for name in ("attend", "_emit_single_tokens", "_emit_chunks"):
         def spy(self, *a, _fn=getattr(PagedLayer, name), _name=name, **k):
             taken[_name] += 1
-            if _name == "keys" and any(c.length > 16 for c in self.batch.chunks):
+            if _name == "attend" and any(c.length > 16 for c in self.batch.chunks):
                 taken["long chunks"] += 1
             return _fn(self, *a, **k)
         monkeypatch.setattr(PagedLayer, name, spy)
@@ -146,7 +146,7 @@ def test_fast_path_equals_general_path_on_random_paged_batches(model, general_pa
         fast, slow = twin.step(which, tokens, general_path, logits_rows=rows, keep=keep)
         assert torch.equal(fast, slow), f"step {step}"
         twin.assert_same_state()
-    assert taken["keys"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
+    assert taken["attend"] > 100 and taken["_emit_single_tokens"] > 100  # the fast path did run
     assert taken["_emit_chunks"] > 10  # verify-length and prompt chunks too
     assert taken["long chunks"] > 20  # prompt chunks past the window took the batched path
     assert taken["snapshots"] > 0  # and crossed page boundaries

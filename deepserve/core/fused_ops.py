@@ -5,8 +5,10 @@ implement to be correct.
 mHC sites, sparse attention, the indexer, the compressor's pooling, the MoE, sampling). The ops here have
 defaults: a composed op (`rms_norm_rope`, `hc_pre_norm`, `sparse_attention_rope`, ...) defaults to the maths ops
 it stands for, in order; an optional fused op (`route_hidden`, `moe_with_shared`, `compress_decode`, the paged
-decode ops, `decoder_stack`) defaults to "not here" (None or False), and the model then runs the maths ops. A backend overrides
-one only with a kernel that gives the same result. This module imports nothing from torch at run time.
+decode ops, `decoder_stack`) defaults to "not here" (None or False), and the model then runs the maths ops; an op over
+packed KV rows (`sparse_attention_packed`, `indexer_topk_packed`) defaults to decoding the rows it reads, then the
+maths op. A backend overrides one only with a kernel that gives the same result. This module imports nothing from
+torch at run time.
 """
 
 from __future__ import annotations
@@ -98,6 +100,26 @@ class FusedOps:
                               limit: float) -> Tensor:
         """`moe_experts` with stored expert stacks w13 [E, 2I, D] and w2 [E, D, I] (FP4 routed experts)."""
         return self.moe_experts(x, topk_ids, topk_weights, w13.dequantize(x.dtype), w2.dequantize(x.dtype), limit)
+
+    # -- KV rows kept packed (`--kv-cache-dtype fp8`: a pool's `deepserve.model.kv_precision.RowCodec`) ----------
+    # The defaults decode the rows a step reads (`codec.gather`, `codec.gather_pages`) and run the op over values;
+    # a backend with kernels that read the stored form reads the pools in place instead.
+
+    def sparse_attention_packed(self, q: Tensor, storage: Tensor, codec, indices: Tensor, sinks: Tensor,
+                                scale: float, positions: Tensor, inv_freq: Tensor, fixed_shape: bool = False) -> Tensor:
+        """`sparse_attention_rope` over key rows kept in `codec`'s stored form: storage [N, codec.stored_width],
+        indices [T, K] rows of it (entries < 0 ignored). `fixed_shape`: no shape may depend on the values of
+        `indices` (a CUDA graph's step). Returns [T, H, d] in `q.dtype`."""
+        pool, rows = codec.gather(storage, indices, fixed_shape)
+        return self.sparse_attention_rope(q, pool, rows, sinks, scale, positions, inv_freq)
+
+    def indexer_topk_packed(self, q: Tensor, weights: Tensor, pages: Tensor, codec, tables: Tensor,
+                            key_count: Tensor, topk: int, query_rows: Tensor | None = None) -> Tensor:
+        """`indexer_topk_paged` over key pages kept in `codec`'s stored form (pages [num_pages, rpp,
+        codec.stored_width]), query t reading row `query_rows[t]` of tables [B, P] (row t when None): [T, topk]
+        int64 key numbers within the query's own keys, ascending, -1 unused. Shapes from T, B, P and rpp only."""
+        decoded, numbered = codec.gather_pages(pages, tables, query_rows)
+        return self.indexer_topk_paged(q, weights, decoded, numbered, key_count, topk)
 
     def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
         """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with

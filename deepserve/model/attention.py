@@ -84,9 +84,8 @@ class Attention(nn.Module):
                                positions, self.inv_freq)
         kv = self.kv_precision.round_kv(kv)  # as the cache keeps it: this token attends to its rounded row too
         compressed = self.compressor(x, qr, layout) if self.compressor is not None else None
-        pool, indices = layout.keys(kv, compressed)
-        # the attention output, its rotary dims turned back (V = K carries them)
-        out = b.sparse_attention_rope(q, pool, indices, self.sinks, self.scale, positions, self.inv_freq)
+        # the attention output, its rotary dims turned back (V = K carries them); packed keys read as stored
+        out = layout.attend(q, kv, compressed, self.sinks, self.scale, self.inv_freq)
         layout.store_window(kv)
         return self.o_b_proj(self._grouped_o_a(out))
 

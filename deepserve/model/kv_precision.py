@@ -23,8 +23,11 @@ What the paged cache's pools hold is the stored form itself (`RowCodec`, per poo
 (`kv_row_bytes`), `FP4Keys` an indexer key as e2m1 nibbles and one scale byte per 32 (`index_key_bytes`). Each
 rounded value is a code times a power of two, so encoding a rounded row again gives back the same values, and a
 read decodes to exactly the values the rounding made, at the model dtype (bit for bit the emulated cache's, which
-kept them unpacked: tests/test_kv_fp8_packed.py). `bf16` keeps bf16 rows (`PlainRows`; a no-op on a bf16 model);
-`auto` keeps the model dtype (no rounding; the stored rows are the values, `holds_values`).
+kept them unpacked: tests/test_kv_fp8_packed.py). The layouts hand the attention and the indexer the stored rows
+and their codec (`Backend.sparse_attention_packed`, `indexer_topk_packed`): a backend's kernels read them packed
+(`stored_format`), the defaults decode what a step reads (`RowCodec.gather`, `gather_pages`). `bf16` keeps bf16
+rows (`PlainRows`; a no-op on a bf16 model); `auto` keeps the model dtype (no rounding; the stored rows are the
+values, `holds_values`).
 """
 
 from __future__ import annotations
@@ -199,6 +202,8 @@ class RowCodec(ABC):
     storage_dtype: torch.dtype
     stored_width: int
     holds_values = False
+    #: the stored form's name, which backends' kernels that read it match on (they import nothing from the model)
+    stored_format = "plain"
 
     @abstractmethod
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
@@ -207,6 +212,30 @@ class RowCodec(ABC):
     @abstractmethod
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored rows [..., stored_width] -> their values [..., width] at `dtype`."""
+
+    def gather(self, stored: torch.Tensor, rows: torch.Tensor, fixed_shape: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool, indices) standing for the stored rows `rows` [T, K] (-1 = none) of `stored` [N, stored_width],
+        for `Backend.sparse_attention`: the storage itself where it holds the values; else only the rows named,
+        decoded. `fixed_shape` (a CUDA graph's step) decodes one row per entry, so that nothing is sized from
+        values; otherwise each distinct row is decoded once (a prompt chunk's queries share most of their keys)."""
+        if self.holds_values:
+            return stored, rows
+        if fixed_shape:
+            entry = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+            return self.decode(stored[rows.clamp(min=0).flatten()]), torch.where(rows >= 0, entry, rows)
+        distinct, entry = torch.unique(rows.clamp(min=0), return_inverse=True)
+        return self.decode(stored[distinct]), torch.where(rows >= 0, entry, rows)
+
+    def gather_pages(self, pages: torch.Tensor, tables: torch.Tensor, query_rows: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, tables) for `Backend.indexer_topk_paged` standing for the stored pages [num_pages, rpp,
+        stored_width] read through `tables` [B, P], query t reading row `query_rows[t]` (row t when None): the
+        pages of each table row decoded, [B * P, rpp, width], and per query its row's numbers of them, [T, P].
+        Shapes from B, P and T only (a CUDA graph's step takes it)."""
+        numbered = torch.arange(tables.numel(), device=tables.device).view_as(tables)
+        decoded = self.decode(pages[tables]).flatten(0, 1)
+        return decoded, numbered if query_rows is None else numbered[query_rows]
 
 
 class PlainRows(RowCodec):
@@ -228,6 +257,7 @@ class FP8Rows(RowCodec):
     scale byte (exponent + 127) per 64 non-RoPE dims, zero padding to `KVPrecision.kv_row_bytes`."""
 
     storage_dtype = torch.uint8
+    stored_format = "fp8"
 
     def __init__(self, width: int, rope_dims: int, dtype: torch.dtype) -> None:
         self.width, self.dtype = width, dtype
@@ -259,6 +289,7 @@ class FP4Keys(RowCodec):
     byte per 32 values."""
 
     storage_dtype = torch.uint8
+    stored_format = "fp4"
 
     def __init__(self, width: int, dtype: torch.dtype) -> None:
         self.width, self.dtype = width, dtype

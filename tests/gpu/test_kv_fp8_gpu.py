@@ -3,9 +3,13 @@ against the CPU emulation at V4-Flash's row shapes (bit for bit: e4m3 / e2m1 cod
 engine on the NVIDIA backend (Triton attention and indexer kernels, CUDA graphs) in fp8 mode against its bf16 KV
 cache, against itself without graphs, and against the reference backend's fp8 mode.
 
-The rows are rounded where they are made (`Attention.forward`, `_Pooler.rows`) and kept at the model dtype, so
-the attention and indexer kernels read them unchanged; the fixed-shape decode step takes the unfused compressor
-path in fp8 mode (`layouts.static.emit_static`). These tests check that path on the device."""
+The rows are rounded where they are made (`Attention.forward`, `_Pooler.rows`) and the pools keep them packed
+(`kv_precision.FP8Rows`: e4m3 codes, bf16 RoPE dims and UE8M0 scale bytes; `FP4Keys`: e2m1 nibbles and scale
+bytes): the indexer's kernel reads the FP4 key pages as stored (`triton_ops/packed_kv.py`) and the attention reads
+the rows a step gathers (packed as stored where the layouts pass them through `Backend.sparse_attention_packed`,
+else decoded first); the fixed-shape decode step takes the unfused compressor path in fp8 mode
+(`layouts.static.emit_static`). These tests check those paths on the device; tests/gpu/test_kv_fp8_kernels.py
+checks the packed-row kernels themselves."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from deepserve.core.interfaces import BackendUnavailable
 
 from . import vendor
 from .interpreted import interpreting, support_kernels
+from .packed_kv import PackedKVOps
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _mm_out_fp32_works(device: str) -> bool:
         return False
 
 
-class NvidiaBackend(ReferenceBackend):
+class NvidiaBackend(PackedKVOps, ReferenceBackend):
     """Backend for NVIDIA GPUs (Hopper H100/H200 and Blackwell).
 
     GEMMs go straight to cuBLAS; sparse attention, the indexer's scores, the routed experts (grouped GEMMs with

@@ -42,6 +42,14 @@ class LayerLayout(ABC):
         """(pool [N, d], indices [T, W + K]): the key rows and, per query, its window keys (this step's `kv`
         included; -1 before position 0) then its `compressed` rows (-1 = none), for `sparse_attention`."""
 
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | VisibleRows | None,
+               sinks: torch.Tensor, scale: float, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The layer's sparse attention (q [T, H, d]) over `keys(kv, compressed)`, the output's rotary dims turned
+        back (`Backend.sparse_attention_rope`): [T, H, d]. The paged layouts pass keys kept packed as stored
+        (`Backend.sparse_attention_packed`) instead of decoding them first."""
+        pool, indices = self.keys(kv, compressed)
+        return self.backend.sparse_attention_rope(q, pool, indices, sinks, scale, self.positions, inv_freq)
+
     @abstractmethod
     def store_window(self, kv: torch.Tensor) -> None:
         """The step's keys into the window rings, after the attention has read them."""

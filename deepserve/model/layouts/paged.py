@@ -37,14 +37,16 @@ def paged_step_pools(batch: ForwardBatch, states: Sequence[AttentionState]):
 class PagedIndex:
     """Where a step's sequences live in the paged cache, as device tensors shared by every layer of a forward:
     per query (row of the batch) its sequence's slot, first new position and first row in the batch, [T, 1];
-    per sequence its block table padded with page 0, [B, max pages] (`tables`), and per query that row
-    (`query_tables`, [T, max pages]). The layers turn them into global row numbers of their pools."""
+    per sequence its block table padded with page 0, [B, max pages] (`tables`), per query that row
+    (`query_tables`, [T, max pages]) and its number (`query_seq`, [T]; None: row t, one query per sequence). The
+    layers turn them into global row numbers of their pools."""
 
     slot: torch.Tensor
     chunk_start: torch.Tensor
     chunk_offset: torch.Tensor
     tables: torch.Tensor
     query_tables: torch.Tensor
+    query_seq: torch.Tensor | None = None
 
 
 def block_table(st: AttentionState) -> list[int]:
@@ -85,7 +87,7 @@ class PagedStep(StepLayout):
             padded = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, device)
             seq = torch.arange(len(states), device=device).repeat_interleave(per_seq[:, 3], output_size=T)
             per_query = per_seq[seq]
-            index = PagedIndex(per_query[:, 0:1], per_query[:, 1:2], per_query[:, 2:3], padded, padded[seq])
+            index = PagedIndex(per_query[:, 0:1], per_query[:, 1:2], per_query[:, 2:3], padded, padded[seq], seq)
             self.memo[key] = index
         return index
 
@@ -219,11 +221,15 @@ class PagedLayer(LayerLayout):
         pools.rows.index_put_((page, in_page), pools.codec.encode(pooler.rows(block_kv, block_gate, first_row)))
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
-        """Every sequence's keys out of the page pool in one gather through the padded block tables (decoded
-        after the gather: only the step's sequences' keys)."""
-        counts = [st.indexer.rows.num_rows for st in self.states]
+        """Every sequence's keys out of the page pool in one gather through the padded block tables; keys kept
+        packed (FP4) go to the backend's `indexer_topk_packed` as stored, read through the tables."""
         pools = self.pools.indexer
-        keys = pools.codec.decode(gather_rows(pools.rows, self.index.tables, counts, q.device))
+        if not pools.codec.holds_values:
+            key_count = (self.positions + 1) // indexer.ratio
+            return self.backend.indexer_topk_packed(q, weights, pools.rows, pools.codec, self.index.tables, key_count,
+                                                    indexer.topk, query_rows=self.index.query_seq)
+        counts = [st.indexer.rows.num_rows for st in self.states]
+        keys = gather_rows(pools.rows, self.index.tables, counts, q.device)
         return topk_in_sequences(indexer, self.batch, q, weights, keys, counts)
 
     def all_visible(self, pooler, stream: str) -> torch.Tensor:
@@ -234,8 +240,15 @@ class PagedLayer(LayerLayout):
     def keys(self, kv, compressed):
         """A query's window keys are ring rows `slot * W + position % W` (positions before its chunk) or its
         chunk's new rows (copied to the scratch region), its compressed row r is `comp_base + table[r // rpp] *
-        rpp + r % rpp`: the same keys in the same order as the contiguous layout."""
-        return paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)
+        rpp + r % rpp`: the same keys in the same order as the contiguous layout. The storage itself where it
+        holds the values, else the rows read, decoded (`RowCodec.gather`)."""
+        rows = paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)
+        return self.pools.codec.gather(self.pools.storage, rows)
+
+    def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
+        """Over the storage rows `keys` names, packed ones read as stored (`attend_rows`)."""
+        rows = paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)
+        return attend_rows(self.backend, q, self.pools, rows, sinks, scale, self.positions, inv_freq)
 
     def store_window(self, kv) -> None:
         self._snapshot_windows()  # (rare) before the ring write overwrites rows
@@ -260,10 +273,9 @@ class PagedLayer(LayerLayout):
 # -- shared with the static layout
 
 
-def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools, fixed_shape: bool = False):
-    """(pool, rows) for `sparse_attention`: the step's keys into the scratch region, then each query's storage
-    rows (the backend's one-launch `paged_key_rows`, or the same index arithmetic in torch), read in place or
-    decoded (`attended_keys`)."""
+def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools) -> torch.Tensor:
+    """The step's keys into the scratch region, then each query's storage rows [T, W + K] (-1 = none): the
+    backend's one-launch `paged_key_rows`, or the same index arithmetic in torch."""
     W, T = pools.spec.window, kv.shape[0]
     storage = pools.storage
     storage[pools.scratch_base : pools.scratch_base + T] = pools.codec.encode(kv)
@@ -277,22 +289,18 @@ def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools, fix
             page = torch.gather(index.query_tables, 1, row // rpp)
             parts.append(torch.where(compressed >= 0, pools.comp_base + page * rpp + row % rpp, compressed))
         rows = torch.cat(parts, dim=1)
-    return attended_keys(pools, rows, fixed_shape)
+    return rows
 
 
-def attended_keys(pools, rows: torch.Tensor, fixed_shape: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool, indices) of the storage rows `rows` [T, W + K] (-1 = none): the storage itself where its codec holds
-    the values; else only the rows the step reads, decoded. A fixed-shape step (a CUDA graph's) decodes one row
-    per entry, so that nothing is sized from values; other steps decode each distinct row once (a prompt chunk's
-    queries share most of their keys)."""
-    codec, storage = pools.codec, pools.storage
-    if codec.holds_values:
-        return storage, rows
-    if fixed_shape:
-        entry = torch.arange(rows.numel(), device=rows.device).view_as(rows)
-        return codec.decode(storage[rows.clamp(min=0).flatten()]), torch.where(rows >= 0, entry, rows)
-    distinct, entry = torch.unique(rows.clamp(min=0), return_inverse=True)
-    return codec.decode(storage[distinct]), torch.where(rows >= 0, entry, rows)
+def attend_rows(backend, q, pools, rows, sinks, scale, positions, inv_freq, fixed_shape: bool = False):
+    """The attention of q over the storage rows `rows` [T, W + K] (-1 = none), its output's rotary dims turned
+    back: over the storage in place where its codec holds the values (`sparse_attention_rope`), else over the rows
+    as stored (`sparse_attention_packed`: a backend's kernel reads them packed; the default decodes the rows
+    read, one per entry in a fixed-shape step)."""
+    if pools.codec.holds_values:
+        return backend.sparse_attention_rope(q, pools.storage, rows, sinks, scale, positions, inv_freq)
+    return backend.sparse_attention_packed(q, pools.storage, pools.codec, rows, sinks, scale, positions, inv_freq,
+                                           fixed_shape=fixed_shape)
 
 
 def write_rings(backend, pools, kv, positions, slot) -> None:

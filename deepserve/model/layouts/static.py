@@ -19,7 +19,7 @@ from deepserve.core.interfaces import VisibleRows
 
 from ..batch import ForwardBatch
 from .base import LayerLayout, StepLayout, visible_rows
-from .paged import PagedIndex, close_blocks, paged_keys, write_rings
+from .paged import PagedIndex, attend_rows, close_blocks, paged_keys, write_rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +63,14 @@ class StaticLayer(LayerLayout):
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
         """The keys read through the padded block tables: every query sees the table's full width, its own
-        count masking the rest, so nothing depends on the row counts the host keeps. Keys kept encoded (FP4)
-        are decoded for the pages of each row's table only, as [rows * width] pages the tables then number."""
+        count masking the rest, so nothing depends on the row counts the host keeps. Keys kept packed (FP4) go to
+        the backend's `indexer_topk_packed` as stored (its default decodes the pages of each row's table)."""
         key_count = (self.positions + 1) // indexer.ratio
         pools, tables = self.pools.indexer, self.index.tables
-        pages = pools.rows
         if not pools.codec.holds_values:
-            pages = pools.codec.decode(pages[tables]).flatten(0, 1)
-            tables = torch.arange(tables.numel(), device=tables.device).view_as(tables)
-        return self.backend.indexer_topk_paged(q, weights, pages, tables, key_count, indexer.topk)
+            return self.backend.indexer_topk_packed(q, weights, pools.rows, pools.codec, tables, key_count,
+                                                    indexer.topk)
+        return self.backend.indexer_topk_paged(q, weights, pools.rows, tables, key_count, indexer.topk)
 
     def all_visible(self, pooler, stream: str) -> VisibleRows:
         """The rule for the table's full width of rows (-1 past each query's own), which a backend's key-row kernel
@@ -81,19 +80,28 @@ class StaticLayer(LayerLayout):
     # -- window keys
 
     def keys(self, kv, compressed):
+        """The storage where it holds the values; else the rows read, decoded one per index entry (fixed shapes)."""
+        return self.pools.codec.gather(self.pools.storage, self._key_rows(kv, compressed), fixed_shape=True)
+
+    def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
+        """Over the storage rows `keys` names, packed ones read as stored (`paged.attend_rows`, fixed shapes)."""
+        return attend_rows(self.backend, q, self.pools, self._key_rows(kv, compressed), sinks, scale, self.positions,
+                           inv_freq, fixed_shape=True)
+
+    def _key_rows(self, kv, compressed) -> torch.Tensor:
         """One token a row: the backend's `decode_key_rows` writes its key into its ring first and forms every
         window key from there (where the storage holds the values); else the paged layout's way (scratch region,
-        rings written after), the keys decoded one per index entry (fixed shapes)."""
+        rings written after)."""
         pools = self.pools
         rows = self.backend.decode_key_rows(pools.storage, kv, self.positions, self.index.slot[:, 0],
                                             self.index.query_tables, compressed, pools.spec.window,
                                             pools.rows_per_page, pools.comp_base) if pools.codec.holds_values else None
         if rows is not None:
             self._rings_written = True
-            return pools.storage, rows
+            return rows
         if isinstance(compressed, VisibleRows):
             compressed = visible_rows(self.positions, compressed)
-        return paged_keys(self.backend, kv, self.positions, self.index, compressed, pools, fixed_shape=True)
+        return paged_keys(self.backend, kv, self.positions, self.index, compressed, pools)
 
     def store_window(self, kv) -> None:
         """(A static step's page-boundary snapshots are taken after it, from the written rings: `cuda_graphs`.)"""

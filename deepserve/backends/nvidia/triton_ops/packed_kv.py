@@ -1,0 +1,251 @@
+"""Kernels that read the FP8 KV cache's packed rows in place (`--kv-cache-dtype fp8`, deepserve/model/kv_precision.py).
+
+A KV row (`FP8Rows`) is bytes: the e4m3 codes of the non-RoPE dims [0, nope), the RoPE dims as bf16, then one
+UE8M0 scale byte (exponent + 127) per 64 non-RoPE dims. An indexer key (`FP4Keys`) is its e2m1 codes two a byte,
+low nibble first, then one scale byte per 32 values. Each kernel turns the rows it loads into values in registers
+(a code times a power of two: exactly the values `RowCodec.decode` gives) and then does what its plain twin does
+on decoded rows:
+
+* `sparse_mqa_packed`: `attention.sparse_mqa` (the online softmax with the sink, the index list split over
+  programs for small steps, the parts merged by its `_merge_kernel`) over a packed storage, so a step gathers
+  and decodes no keys into a temporary.
+* `indexer_topk_packed`: `indexer.indexer_topk_paged` over packed key pages read through block tables (each
+  query's table row given), so the fixed-shape decode step decodes no pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import LOG2E, _merge_kernel
+from .common import SMS, dot_precision
+from .elementwise import rotate_pairs
+from .fp4_moe import _e2m1
+from .indexer import _top_columns
+
+FP8_BLOCK = 64  # non-RoPE dims per scale byte of a KV row
+FP4_BLOCK = 32  # indexer-key values per scale byte
+
+
+@triton.jit
+def _ue8m0(byte):
+    """UE8M0 scale bytes as the fp32 powers of two they stand for: the byte is the float's exponent field."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride, dims, NOPE: tl.constexpr, SCALES_AT: tl.constexpr):
+    """Rows `rows` [N] (where `ok`) of an `FP8Rows` storage as fp32 values [N, D]: codes times their block's
+    scale for dims below NOPE, the bf16 RoPE dims after. The three pointers view the same bytes (e4m3, uint8,
+    bf16); `stride` is a row's bytes."""
+    base = tl.where(ok, rows, 0).to(tl.int64)[:, None] * stride
+    nope = (dims < NOPE)[None, :]
+    codes = tl.load(codes_ptr + base + dims[None, :], mask=ok[:, None] & nope, other=0.0).to(tl.float32)
+    scale = _ue8m0(tl.load(bytes_ptr + base + SCALES_AT + dims[None, :] // 64, mask=ok[:, None] & nope, other=0))
+    # RoPE dim j is the bf16 at byte NOPE + 2 (j - NOPE), element NOPE / 2 + j - NOPE of the row's bf16 view
+    rope = tl.load(rope_ptr + base // 2 + (dims[None, :] - NOPE // 2), mask=ok[:, None] & ~nope, other=0.0)
+    return tl.where(nope, codes * scale, rope.to(tl.float32))
+
+
+@triton.jit
+def _sparse_mqa_packed_kernel(
+    q_ptr, codes_ptr, bytes_ptr, rope_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr,
+    K, H, scale_log2, per_split, half,
+    stride_qt, stride_qh, stride_row, stride_it, stride_ot, stride_oh, stride_pos,
+    D: tl.constexpr, NOPE: tl.constexpr, SCALES_AT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
+):
+    """`attention._sparse_mqa_kernel` with each block of keys read from packed rows (`_fp8_rows`)."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    dims = tl.arange(0, D)
+    head_ok = heads < H
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))  # the sink joins the first part's softmax only
+    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, K)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
+        ok = rows >= 0
+        keys = _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride_row, dims, NOPE, SCALES_AT).to(q.dtype)
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - safe[:, None])
+        alpha = tl.exp2(m - safe)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
+        m = m_new
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        if ROPE:
+            out = rotate_pairs(out, half - D // 2, tl.load(pos_ptr + t * stride_pos).to(tl.float32), freq_ptr, half,
+                               True)
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        at = (t * SPLITS + split) * H + heads
+        tl.store(part_ptr + at[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
+        tl.store(stat_ptr + 2 * at, m, mask=head_ok)
+        tl.store(stat_ptr + 2 * at + 1, denom, mask=head_ok)
+
+
+def _tile_choice(T: int, H: int, d: int, K: int, itemsize: int) -> dict:
+    """`attention.sparse_mqa`'s tiles for these shapes (block_h, block_n, num_warps, num_stages, splits)."""
+    block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
+    block_n, warps, few_queries = (32 if d >= 256 else 64), (8 if d >= 256 else 4), False
+    if d >= 256 and itemsize == 2:
+        block_n = 64
+        if T * triton.cdiv(H, 64) >= 2 * SMS:
+            block_h = max(16, min(64, triton.next_power_of_2(H)))
+        elif T * triton.cdiv(H, 32) <= 8:
+            block_h, few_queries = 16, True
+    programs, splits = T * triton.cdiv(H, block_h), 1
+    if few_queries:
+        while splits < min(16, triton.cdiv(K, block_n)):
+            splits *= 2
+    elif programs <= 32:
+        most = min(-(-SMS // programs), K // (2 * block_n), 16)
+        while splits * 2 <= most:
+            splits *= 2
+    return dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=2, splits=splits)
+
+
+def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices: torch.Tensor, sinks: torch.Tensor,
+                      scale: float, out: torch.Tensor | None = None, rope: tuple | None = None,
+                      tiles: dict | None = None) -> torch.Tensor:
+    """`attention.sparse_mqa` over FP8 rows kept packed: q [T, H, d], storage [N, stored bytes] uint8 (`FP8Rows`
+    of width d with `nope` non-RoPE dims), indices [T, K] rows of it (entries < 0 ignored), sinks [H] -> [T, H, d]
+    in q's dtype. `rope` (positions [T], inv_freq [half]): the output's last 2 * half dims turned back by each
+    query's position. `tiles` overrides the tile choice as `sparse_mqa`'s does (the batch-invariant mode's fixed
+    tiles; tests' splits)."""
+    T, H, d = q.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    if nope % 2 or storage.dtype != torch.uint8 or storage.shape[-1] % 2:
+        raise ValueError("packed FP8 rows need an even number of non-RoPE dims and of bytes a row")
+    q, storage, indices = q.contiguous(), storage.contiguous(), indices.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    K = indices.shape[1]
+    tiles = {**_tile_choice(T, H, d, K, q.element_size()), **(tiles or {})}
+    block_h, block_n, splits = tiles["block_h"], tiles["block_n"], tiles["splits"]
+    per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
+    positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
+    if rope is not None:
+        freq = freq.float().contiguous()
+        if 2 * freq.shape[0] > d:
+            raise ValueError(f"{freq.shape[0]} rotary pairs do not fit head_dim {d}")
+    half = freq.shape[0] if rope is not None else 0
+    part = stat = out
+    if splits > 1:
+        part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
+        stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+    width = storage.shape[-1]
+    _sparse_mqa_packed_kernel[(T, triton.cdiv(H, block_h), splits)](
+        q, storage.view(torch.float8_e4m3fn), storage, storage.view(torch.bfloat16), indices,
+        sinks.float().contiguous(), out, part, stat, positions, freq, K, H, scale * LOG2E, per_split, half,
+        q.stride(0), q.stride(1), width, indices.stride(0), out.stride(0), out.stride(1), positions.stride(0),
+        D=d, NOPE=nope, SCALES_AT=nope + 2 * (d - nope), BLOCK_H=block_h, BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype), SPLITS=splits, ROPE=rope is not None, num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
+    )
+    if splits > 1:
+        _merge_kernel[(T, H)](part, stat, out, positions, freq, H, half, out.stride(0), out.stride(1),
+                              positions.stride(0), D=d, SPLITS=splits, BLOCK_D=min(d, 256), ROPE=rope is not None,
+                              num_warps=4)
+    return out
+
+
+@triton.jit
+def _packed_index_scores_kernel(
+    q_ptr, w_ptr, keys_ptr, count_ptr, table_ptr, qrow_ptr, out_ptr,
+    Hi, width,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_tt, stride_ot,
+    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, RPP: tl.constexpr,
+    QROWS: tl.constexpr,
+):
+    """`indexer._indexer_scores_kernel` (PAGED) with each block of keys read as FP4 bytes: key r of query t is
+    row r % RPP of page `table[qrow, r // RPP]`, qrow its table row (`qrow_ptr[t]` with QROWS, else t)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    count = tl.load(count_ptr + t).to(tl.int32)
+    visible = cols < count
+    if QROWS:
+        qrow = tl.load(qrow_ptr + t)
+    else:
+        qrow = t
+    if tl.program_id(1) * BLOCK_N < count:
+        page = tl.load(table_ptr + qrow * stride_tt + cols // RPP, mask=visible, other=0)
+        base = (page.to(tl.int64) * RPP + cols % RPP)[:, None] * stride_key
+        heads = tl.arange(0, BLOCK_HI)
+        dims = tl.arange(0, DI)
+        head_ok = heads < Hi
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+        packed = tl.load(keys_ptr + base + dims[None, :] // 2, mask=visible[:, None], other=0)
+        code = tl.where((dims % 2 == 0)[None, :], packed & 15, packed >> 4)
+        scale = _ue8m0(tl.load(keys_ptr + base + DI // 2 + dims[None, :] // 32, mask=visible[:, None], other=0))
+        keys = (_e2m1(code) * scale).to(q.dtype)
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [heads, keys]
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + cols, tl.where(visible, score, float("-inf")), mask=cols < width)
+    else:
+        tl.store(out_ptr + t * stride_ot + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < width)
+
+
+def packed_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
+                        key_count: torch.Tensor, dtype: torch.dtype, query_rows: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi], key_count [T], pages [num_pages, rpp, Di / 2 + Di / 32] uint8 (`FP4Keys`),
+    tables [B, P] int64, query_rows [T] (query t's row of `tables`; None: row t) -> fp32 scores [T, P * rpp]. The
+    keys are decoded to `dtype` (the model's) and q rounded to it, as the plain kernel multiplies decoded keys."""
+    T, Hi, Di = q.shape
+    if Di & (Di - 1) or Di < 2:
+        raise ValueError(f"index_head_dim must be a power of two, got {Di}")
+    rpp, width = pages.shape[1], tables.shape[1] * pages.shape[1]
+    if pages.dtype != torch.uint8 or pages.shape[-1] != Di // 2 + -(-Di // FP4_BLOCK):
+        raise ValueError(f"pages of {pages.shape[-1]} {pages.dtype} bytes a key are not FP4 keys of width {Di}")
+    pages, tables = pages.contiguous(), tables.contiguous()
+    q = q.to(dtype).contiguous()
+    weights, key_count = weights.float().contiguous(), key_count.contiguous()
+    out = torch.empty((T, width), dtype=torch.float32, device=q.device) if out is None else out
+    if T == 0 or width == 0:
+        return out
+    block_n = 64
+    qrows = query_rows.contiguous() if query_rows is not None else key_count  # (unread without QROWS)
+    _packed_index_scores_kernel[(T, triton.cdiv(width, block_n))](
+        q, weights, pages, key_count, tables, qrows, out, Hi, width,
+        q.stride(0), q.stride(1), weights.stride(0), pages.shape[-1], tables.stride(0), out.stride(0),
+        DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_N=block_n, PRECISION=dot_precision(dtype),
+        RPP=rpp, QROWS=query_rows is not None, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def indexer_topk_packed(q, weights, pages, tables, key_count, topk: int, dtype: torch.dtype,
+                        query_rows: torch.Tensor | None = None, lowest_on_ties: bool = False) -> torch.Tensor:
+    """The backend op `indexer_topk_packed` for FP4 keys: `indexer.indexer_topk_paged`'s selection over
+    `packed_index_scores`. Key numbers within each query's own keys, ascending, -1 in unused slots; every shape
+    from the tables' width (no host sync). `lowest_on_ties`: among equal scores the lowest keys win (the
+    batch-invariant mode), else whichever `torch.topk` returns first."""
+    T = q.shape[0]
+    width = tables.shape[1] * pages.shape[1]
+    offs = torch.arange(width, device=q.device)
+    if width <= topk:  # every visible key is chosen: no scores needed
+        out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+        out[:, :width] = torch.where(offs[None, :] < key_count[:, None], offs[None, :], -1)
+        return out
+    scores = packed_index_scores(q, weights, pages, tables, key_count, dtype, query_rows)
+    cols = _top_columns(scores, topk, width, lowest_on_ties)
+    return torch.where(cols < width, cols, -1)

@@ -1,0 +1,77 @@
+"""The kernels that read the FP8 KV cache's packed rows (`triton_ops/packed_kv.py`) at V4-Flash shapes on a GPU,
+against the decoded rows and the reference ops; the NVIDIA backend's packed-row ops against their decoding fallback;
+and an engine with CUDA graphs over packed pools, its packed reads against the fallback. The `check_*` functions
+are tests/test_kv_fp8_triton.py's (there under the interpreter, small shapes).
+
+V4-Flash: KV rows of 512 dims (448 FP8 + 64 bf16 RoPE, 584 bytes), 64 query heads; indexer keys of 128 values
+(68 bytes), 64 indexer heads, 64 keys a page (256 tokens at ratio 4), top-512.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepserve import LLM, SamplingParams
+from test_kv_fp8_triton import check_packed_index_scores, check_packed_kv_ops, check_sparse_mqa_packed, kernel_calls
+
+pytestmark = pytest.mark.gpu
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from deepserve.backends.nvidia.triton_ops import packed_kv
+
+    return SimpleNamespace(packed_kv=packed_kv)
+
+
+# queries: a batch-1 decode step (the list split over programs), a batch-64 step, a prompt chunk; keys: the window
+# (128) plus a CSA layer's top-512, or an HCA layer's many compressed rows
+@pytest.mark.parametrize("T, K", [(1, 640), (4, 640), (64, 640), (2048, 640), (2, 4224)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_over_packed_rows(kernels, T, K, dtype):
+    check_sparse_mqa_packed(kernels, "cuda", T, 64, 512, 64, N=20000, K=K, dtype=dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 16])
+def test_attention_over_packed_rows_in_parts(kernels, splits):
+    check_sparse_mqa_packed(kernels, "cuda", 3, 64, 512, 64, N=5000, K=1000, dtype=torch.bfloat16, splits=splits)
+
+
+# a fixed-shape decode step (one table row per query) at batch 1 and 64; a prompt chunk's queries over 4 sequences'
+# tables
+@pytest.mark.parametrize("T, B, P, query_rows", [(1, 1, 64, False), (64, 64, 16, False), (512, 4, 32, True)])
+def test_index_scores_over_packed_pages(kernels, T, B, P, query_rows):
+    check_packed_index_scores(kernels, "cuda", T, B, 64, 128, P, num_pages=300, rpp=64, dtype=torch.bfloat16,
+                              query_rows=query_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_backend_ops_against_their_decoding_fallback(dtype, invariant):
+    from deepserve.backends.nvidia import NvidiaBackend
+
+    check_packed_kv_ops(NvidiaBackend("cuda", invariant=invariant), "cuda", dtype)
+
+
+def test_engine_with_graphs_reads_packed_rows_as_the_fallback_does(tmp_path, monkeypatch):
+    """The demo model in bf16 with CUDA graphs (the static layout's fixed-shape step) over packed pools: the same
+    greedy tokens with the packed reads as with the decoding fallback (graphs captured either way)."""
+    from deepserve.backends.nvidia.packed_kv import PackedKVOps
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    checkpoint = build_demo_checkpoint(tmp_path / "demo")
+    prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(300)]}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for read_packed in (True, False):
+        monkeypatch.setattr(PackedKVOps, "read_packed", read_packed)
+        llm = LLM(model=checkpoint, accelerator="nvidia", dtype="bfloat16", kv_cache_dtype="fp8", block_size=128)
+        assert llm.graphs is not None
+        with kernel_calls() as calls:
+            tokens.append(list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
+        assert (calls["indexer"] > 0) == read_packed, calls  # (graph replays launch without Python calls)
+    assert tokens[0] == tokens[1]
