@@ -93,11 +93,15 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
-    if checkpoint_model_type(config.model) == "deepseek_v41":
+    model_type = checkpoint_model_type(config.model)
+    if model_type == "deepseek_v41":
         if config.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is built for DeepSeek-V4 checkpoints; a V4.1 "
                              "checkpoint's cache keeps the model dtype (kv_cache_dtype='auto')")
         return _build_v41(config, pm)
+    if config.engram_device is not None:
+        raise ValueError(f"engram_device places the Engram tables of a DeepSeek-V4.1 checkpoint (model_type "
+                         f"deepseek_v41); {config.model} has model_type {model_type!r}, which has none")
     if config.distributed and rank is None:
         return _build_front(config, pm)
     backend = select_backend(pm, config)
@@ -168,16 +172,21 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
 
 def _build_v41(config: EngineConfig, pm) -> EngineParts:
     """A V4.1 checkpoint's engine (docs/v41.md), assembled by `deepserve.model.v41.engine` with this module's
-    proposer and grammar-compiler choices, KV events publisher and cache tiers (`_v41_tiers`)."""
+    proposer and grammar-compiler choices, KV events publisher, cache tiers (`_v41_tiers`) and SWA host slots
+    (`_v41_swa_slots`)."""
     from deepserve.model.v41.engine import build_v41_engine
 
     backend = select_backend(pm, config)
     kv_events = _kv_events(config, None)
+
+    def make_tiers(model, states, runner) -> dict:
+        return {**_v41_tiers(pm, config, model, states, runner), **_v41_swa_slots(config, states, runner)}
+
     try:
         v41 = build_v41_engine(config, backend, lambda model: _proposer(pm, config, model),
                                lambda model, tokenizer: _grammar_compiler(pm, config, model, tokenizer),
                                DEFAULT_CPU_KV_CACHE_BYTES, emit=kv_events.emit if kv_events is not None else None,
-                               make_tiers=lambda model, states, runner: _v41_tiers(pm, config, model, states, runner))
+                               make_tiers=make_tiers)
     except BaseException:  # a refused option, say: the publisher's socket and thread go with the engine
         if kv_events is not None:
             kv_events.close()
@@ -320,6 +329,24 @@ def _v41_tiers(pm, config: EngineConfig, model, states, runner) -> dict:
         out.update(replay_snapshot=functools.partial(runner.replay_snapshot, length=length),
                    swa_replay_mode=config.swa_replay)
     return out
+
+
+def _v41_swa_slots(config: EngineConfig, states, runner) -> dict:
+    """A V4.1 engine's SWA host slots (`swa_host_slots`): V4's pool and directory over V4.1's payload, the state
+    past the last full page kept exactly (`deepserve.model.v41.swa_slots`), as `EngineCore` keywords; none without
+    it. With DSpark too: the drafter's rings and count travel in the slot. docs/v41.md."""
+    if config.swa_host_slots is None:
+        return {}
+    import socket
+
+    from deepserve.core.kv.swa_slots import SWASlots
+    from deepserve.model.v41.swa_slots import slot_bytes, slot_layout
+
+    size = slot_bytes(states)
+    logger.info("SWA host slots (V4.1): %d of %d bytes (%.1f MiB)", config.swa_host_slots, size,
+                config.swa_host_slots * size / 2**20)
+    return dict(swa_slots=SWASlots(config.swa_host_slots, size, states.page_size, slot_layout(states),
+                                   socket.gethostname()), slot_io=runner)
 
 
 def _swa_slots(config: EngineConfig, cache, runner, proposer, placement) -> dict:

@@ -63,6 +63,8 @@ def engine_options(args: argparse.Namespace) -> dict:
             engine_kwargs[name] = getattr(args, name)
     if args.kv_store_snapshots is not None:
         engine_kwargs["kv_store_snapshots"] = args.kv_store_snapshots
+    if args.engram_device is not None:  # docs/v41.md
+        engine_kwargs["engram_device"] = args.engram_device
     if args.speculative_config is not None:  # else LLM reads DEEPSERVE_SPECULATIVE_CONFIG
         engine_kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     for name in SCALE_OUT_OPTIONS:  # docs/distributed.md
@@ -205,6 +207,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help='publish KV cache events for routers, as vLLM does: \'{"enable_kv_cache_events": true, '
                        '"endpoint": "tcp://*:5557"}\'')
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--engram-device", default=None, choices=["cpu"],
+                       help="DeepSeek-V4.1: keep the Engram tables in host memory whatever device the model runs "
+                       "on (docs/v41.md)")
     _add_scale_out_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="launch every decode step's kernels one by one instead of replaying CUDA graphs")

@@ -211,7 +211,5 @@ async def test_serve_with_kv_store_flags_restarts_onto_the_store(aiohttp_client,
 
 
 def test_what_v41_still_lacks_is_refused_by_name():
-    with pytest.raises(ValueError, match="does not take swa_host_slots yet"):
-        make_llm(swa_host_slots=2)
     with pytest.raises(ValueError, match="does not take data_parallel_size / enable_expert_parallel yet"):
         make_llm(data_parallel_size=2)

@@ -111,8 +111,8 @@ def test_image_tokens_and_missing_options_are_refused(llm):
             llm.engine.add_request("img", [3, 7, 4], SamplingParams(max_tokens=1))
     finally:
         llm.engine.image_token_id = llm.model.cfg.image_token_id
-    with pytest.raises(ValueError, match="does not take swa_host_slots yet"):
-        LLM(model=str(TINY_A), block_size=128, swa_host_slots=2)
+    with pytest.raises(ValueError, match="does not take data_parallel_size / enable_expert_parallel yet"):
+        LLM(model=str(TINY_A), block_size=128, data_parallel_size=2)
 
 
 async def test_the_server_serves_it(aiohttp_client):

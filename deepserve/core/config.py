@@ -326,6 +326,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "fp8", "none")
 #: `kv_cache_dtype` (vLLM's flag): the model dtype, bf16, or DeepSeek's FP8 KV rows with FP4 indexer keys
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+#: `engram_device`: where a V4.1 checkpoint's Engram tables live: with the model (None) or in host memory
+ENGRAM_DEVICES = (None, "cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +398,8 @@ class EngineConfig:
       `agent`, the retention class of the blocks written). `kv_events_config`: vLLM's KV events for routers
       (`{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}`, a dict or its JSON; docs/cache.md).
       `swa_host_slots`: how many finished sequences keep their window state past the last full page in a host
-      slot (MXFP8) for their next turn (docs/cache.md; not with speculative decoding). `kv_store_snapshots`:
+      slot for their next turn (docs/cache.md; V4: MXFP8, not with speculative decoding; V4.1: exact, DSpark's
+      rings too). `kv_store_snapshots`:
       False stores only the compressed pools (not the page-boundary window snapshots, two thirds of a block on
       small models); a prefix from the store then rebuilds its last page's snapshot by `swa_replay`: `exact`
       (window x depth tokens, the default) or `bounded` (DeepInfer's 128 tokens, attending within them).
@@ -423,6 +426,9 @@ class EngineConfig:
       `eplb_window_size` steps, every `eplb_step_interval` steps (DeepInfer's prefill defaults, 100 / 1,000;
       `num_redundant_experts` a multiple of the ranks).
       `tensor_parallel_size` > 1 is refused: V4's attention has one KV head.
+    - `engram_device` (DeepSeek-V4.1 checkpoints only; docs/v41.md): `cpu` keeps the Engram tables in host memory
+      whatever device the model runs on (each step gathers its rows there and copies them over); None (the
+      default) puts them with the model.
     """
 
     model: str | None = None
@@ -472,6 +478,7 @@ class EngineConfig:
     enable_eplb: bool = False
     eplb_window_size: int = 100
     eplb_step_interval: int = 1000
+    engram_device: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -537,6 +544,9 @@ class EngineConfig:
             raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+        if self.engram_device not in ENGRAM_DEVICES:
+            raise ValueError(f"engram_device must be 'cpu' (the V4.1 Engram tables in host memory) or None (with the "
+                             f"model), got {self.engram_device!r}")
 
     def _check_scale_out(self) -> None:
         if self.tensor_parallel_size != 1:

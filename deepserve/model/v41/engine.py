@@ -8,8 +8,8 @@ each page's boundary snapshot for prefix hits; rings and open groups per sequenc
 `deepserve.build` hands in. `speculative_config` method `dspark` drafts with V4.1's DSpark blocks
 (`plugins/speculative/dspark_v41.py`). The V4.1 path runs the reference's bf16 dataflow in torch ops, on the CPU
 (bit for bit the reference's) or on a CUDA device (model, states and pages there; the FP8/FP4 weights in their
-dense bf16 form, `numerics.QuantWeight.to`); options it does not have yet (scale-out, SWA host slots) are
-refused by name.
+dense bf16 form, `numerics.QuantWeight.to`); SWA host slots hold V4.1's own state (`swa_slots.py`); options it
+does not have yet (scale-out, tensor parallelism) are refused by name.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def _refuse_unsupported(config: EngineConfig, device: torch.device) -> None:
     refused = {
         "data_parallel_size / enable_expert_parallel": config.distributed,
         "tensor_parallel_size": config.tensor_parallel_size != 1,
-        # the slots pack V4's window state (model/swa_slots.py), not V4.1's rings, open groups and host values
-        "swa_host_slots": config.swa_host_slots is not None,
     }
     named = [k for k, on in refused.items() if on]
     if named:
@@ -85,7 +83,8 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
     which passes its choices in: `make_proposer(model)` (None without `speculative_config`),
     `make_grammars(model, tokenizer)` (the structured-output compiler, or None), the KV budget to use
     without `kv_cache_bytes`, the KV manager's event sink `emit` (KV events) and `make_tiers(model, states,
-    runner)`: the cache tiers below the pages and their SWA replay, as `EngineCore` keywords."""
+    runner)`: the cache tiers below the pages, their SWA replay and the SWA host slots, as `EngineCore`
+    keywords."""
     from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
     from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
     from deepserve.core.scheduler.scheduler import Scheduler
@@ -97,7 +96,7 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
 
     _refuse_unsupported(config, torch.device(backend.device))
     device = torch.device(backend.device)
-    model = load_v41(config.model)
+    model = load_v41(config.model, engram_device=config.engram_device)  # "cpu": the tables stay in host memory
     if device.type != "cpu":
         model.to_device(device)
     cfg = model.cfg

@@ -9,6 +9,7 @@ DSpark taps). `forward(..., forced=...)` feeds each block a given input instead 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from .attention import Attention, DSparkAttention, Shared
 from .config import V41Config
+from .decode_rows import DecodeRows
 from .engram import Engram, EngramHasher
 from .moe import MoE
 from .numerics import (GEMM_ROWS, QuantWeight, gemm, hc_collapse, hc_expand, hc_mixes, linear, per_row, rms_norm,
@@ -67,6 +69,7 @@ class V41Output:
     candidates: torch.Tensor | None = None  # candidate source's mask [S, T]
     engram_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # engram layer -> [S, cols]
     main_hidden: torch.Tensor | None = None  # DSpark taps: [S, len(targets) * D] bf16
+    saved: dict[int, tuple] = field(default_factory=dict)  # forward_decode's kept rows: the state after each
 
 
 @dataclass
@@ -173,28 +176,34 @@ class DeepseekV41ForCausalLM(nn.Module):
         return out
 
     @torch.inference_mode()
-    def forward_decode(self, ids, states: list[V41SequenceState]) -> V41Output:
-        """One decode step of several sequences in one forward: `ids[i]` is the next token of `states[i]` (each
-        past its prompt, at its own position). Each row gets the bits `forward([ids[i]], states[i])` gives it
-        alone: what is row-local and the same at any row count (the block-scaled GEMMs, the experts, the
-        gathers) runs batched, the plain GEMMs and short activations per row (`numerics.per_row`), and each
-        sequence's attention over its own state. Returns the last logits [B, vocab] and the DSpark taps."""
+    def forward_decode(self, ids, states: list[V41SequenceState], keep: Sequence[bool] | None = None) -> V41Output:
+        """Decode steps of several sequences in one forward: `ids[i]` is a token of `states[i]` (each past its
+        prompt). A sequence may have several rows, consecutive tokens in order (a verifying chunk [token,
+        drafts...]): each row then computes the decode step after the rows before it (`decode_rows.py`). Each
+        row gets the bits `forward([ids[i]], states[i])` gives it alone, one step after another: what is
+        row-local and the same at any row count (the block-scaled GEMMs, the experts, the gathers) runs batched,
+        the plain GEMMs and short activations per row (`numerics.per_row`), and each sequence's attention over
+        its own state, row by row. Returns the logits [rows, vocab] and the DSpark taps; `keep[i]`: also the
+        sequence's state after row i, in `V41SequenceState.save`'s form (`saved[i]`: what a verification rolls
+        back to)."""
         c = self.cfg
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         if ids.shape[0] != len(states):
             raise ValueError(f"forward_decode got {ids.shape[0]} tokens for {len(states)} sequences")
-        starts = [st.num_tokens for st in states]
-        if min(starts) == 0:
+        if min(st.num_tokens for st in states) == 0:
             raise ValueError("forward_decode runs decode steps; a sequence at position 0 needs forward (a prefill)")
         if c.image_token_id >= 0 and bool((ids == c.image_token_id).any()):
             raise ValueError("image inputs need the V4.1 vision tower (the vision-encoder role), not built yet")
+        plan = DecodeRows(self.layers, states, keep)
+        starts = plan.starts
         row_ids = None
         if self.hasher is not None:
-            per_seq = []
+            per_row_ids = []
             for i, st in enumerate(states):
                 r, st.engram_history = self.hasher.hash(st.engram_history, ids[i : i + 1])
-                per_seq.append(r)
-            row_ids = torch.cat(per_seq)
+                per_row_ids.append(r)
+                plan.hashed(i)
+            row_ids = torch.cat(per_row_ids)
         elif c.engram_layer_ids:
             raise RuntimeError("this V4.1 model has Engram layers but was built without a tokenizer")
         h, pre = self.embed_streams(ids.to(self.embed.device))
@@ -209,16 +218,24 @@ class DeepseekV41ForCausalLM(nn.Module):
             def attend(x, attn=blk.attn, j=j):
                 qr, q_lin, kv_lin = attn.project_in(x, apart=True)
                 rows = [(x[i : i + 1], qr[i : i + 1], q_lin[i : i + 1], kv_lin[i : i + 1], starts[i], st.layers[j],
-                         st, shared[i]) for i, st in enumerate(states)]
-                if x.device.type == "cpu":  # each sequence's attention as its own decode step computes it
-                    return attn.project_out(torch.cat([attn.attend(*r) for r in rows]), apart=True)
-                return attn.project_out(_attend_together(attn, [attn.gather_keys(*r) for r in rows]))
+                         plan.views[i], shared[i]) for i, st in enumerate(states)]
+                outs = []
+                for i, r in enumerate(rows):  # in order: a sequence's later row reads the layer after its earlier
+                    if x.device.type == "cpu":  # each row's attention as its own decode step computes it
+                        outs.append(attn.attend(*r))
+                    else:  # gathered now, attended together below; a ring view copied before the next row's write
+                        q, kv, cols, rot = attn.gather_keys(*r)
+                        outs.append((q, kv.clone() if plan.repeated else kv, cols, rot))
+                    plan.attended(i, j)
+                if x.device.type == "cpu":
+                    return attn.project_out(torch.cat(outs), apart=True)
+                return attn.project_out(_attend_together(attn, outs))
 
             h, pre = blk(h, pre, attend, 1, apart=True)
-        for st, start in zip(states, starts):
-            st.num_tokens = start + 1
+        saved = plan.finish()
         hidden = per_row(lambda x, p: rms_norm(hc_collapse(x, p), self.norm, c.norm_eps), h, pre)
-        return V41Output(logits=per_row(self.logits, hidden), main_hidden=torch.cat(taps, dim=-1) if taps else None)
+        return V41Output(logits=per_row(self.logits, hidden), main_hidden=torch.cat(taps, dim=-1) if taps else None,
+                         saved=saved)
 
     def logits(self, hidden: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         return gemm(hidden.float(), self.head, min_rows)

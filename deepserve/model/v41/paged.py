@@ -77,6 +77,13 @@ class PagedLayerState(LayerState):
         if value is not None:
             raise AttributeError("a paged layer state's index keys live in its pages: append_index_keys")
 
+    def read_rows(self, first: int, n: int) -> torch.Tensor:
+        """Rows first..first+n (an SWA host slot packs a partial page's)."""
+        return self._row_pool[self._where(first, n)]
+
+    def read_index_keys(self, first: int, n: int) -> torch.Tensor:
+        return self._key_pool[self._where(first, n)]
+
     def save(self) -> tuple:
         return (self.ring.clone(), clone_or_none(self.kv_open), clone_or_none(self.score_open), self.num_rows,
                 self.num_keys)
@@ -176,14 +183,17 @@ class V41PagedStates:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def new_sequence(self, table: list[int], num_cached_tokens: int = 0) -> tuple[V41SequenceState, int]:
+    def new_sequence(self, table: list[int], num_cached_tokens: int = 0,
+                     from_snapshot: bool = True) -> tuple[V41SequenceState, int]:
         """A state for a sequence whose pages are `table` (a list the caller keeps extending), its first
-        `num_cached_tokens` (a multiple of the page size) served by a prefix hit, and its slot."""
+        `num_cached_tokens` (a multiple of the page size) served by a prefix hit, and its slot. Without
+        `from_snapshot` the state has the pages' rows only and the caller sets everything a snapshot holds (an
+        SWA host slot's restore, `swa_slots.py`, which holds all of it)."""
         if not self._free_slots:
             raise RuntimeError(f"all {self.num_slots} V4.1 sequence slots are in use")
         if num_cached_tokens % self.page_size:
             raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
-        page = table[num_cached_tokens // self.page_size - 1] if num_cached_tokens else None
+        page = table[num_cached_tokens // self.page_size - 1] if num_cached_tokens and from_snapshot else None
         host = self.host_snap[page].tolist() if page is not None else None
         if host is not None and host[_HOST_NUM_TOKENS] != num_cached_tokens:
             raise RuntimeError(f"page {page} holds no V4.1 snapshot at token {num_cached_tokens}")

@@ -9,11 +9,12 @@ prefill reads; a decode token keeps the reference's semantics (docs/v41.md).
 
 The step's decode tokens, of every sequence, run in one `forward_decode` (batched; each row the bits of that
 sequence's decode step alone). With a proposer (DSpark, `plugins/speculative/dspark_v41.py`) the step's streams
-are the DSpark taps of every row, and a verifying chunk [token, drafts...] runs one token at a time, each a
-decode step batched with the other sequences' (the i-th tokens of all verifying chunks and the decode tokens
-in one forward), so that its logits are those of plain decoding and greedy output with speculation equals
-greedy output without it; the undo (`V41Undo`) keeps the state after each of its tokens and puts back the one
-verification keeps.
+are the DSpark taps of every row, and a verifying chunk [token, drafts...] runs as decode steps: one token at a
+time, the i-th tokens of all verifying chunks and the decode tokens in one forward, or (`one_forward_verify`)
+every token of every chunk in the same `forward_decode`, each row the decode step after the chunk's rows before
+it (`decode_rows.py`); either way its logits are those of plain decoding and greedy output with speculation
+equals greedy output without it. The undo (`V41Undo`) keeps the state after each of its tokens and puts back
+the one verification keeps.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from deepserve.core.interfaces import Backend, ChunkInput, StepInput, StepOutput
 
 from ..batch import ForwardBatch
 from ..deepseek_v4 import ForwardOutput
-from ..runner import ModelRunner
+from ..runner import ModelRunner, _Seq
 from .model import DeepseekV41ForCausalLM
 from .paged import V41PagedStates
 from .state import V41SequenceState
@@ -58,6 +59,11 @@ class V41Undo:
         self.state.load(self._saved[num_tokens])
         self._saved.clear()
 
+    def keep(self, num_tokens: int, saved: tuple) -> None:
+        """The state after the pass's token that brought the sequence to `num_tokens`, saved by the forward
+        that computed several of its tokens (`forward_decode`'s `saved`)."""
+        self._saved[num_tokens] = saved
+
     def commit(self) -> None:
         self._saved.clear()
 
@@ -86,6 +92,10 @@ class V41ModelRunner(ModelRunner):
         self._prompt_ends: OrderedDict[str, int] = OrderedDict()
         self._step_chunks: list[ChunkInput] = []
         self._undos: list[V41Undo] = []  # this step's, in chunk order
+        # True: a verifying chunk's tokens in one forward; False: one forward per token, the chunks in lockstep.
+        # The same bits on the CPU (tests/test_v41_verify.py); off until tests/test_v41_batched.py, which counts
+        # one row per sequence in each forward, follows it
+        self.one_forward_verify = False
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -99,6 +109,33 @@ class V41ModelRunner(ModelRunner):
                     self._prompt_ends.popitem(last=False)
         self._decoding.update(c.request_id for c in self._step_chunks if c.samples)
         return out
+
+    # -- SWA host slots (docs/v41.md): V4.1's state past the last full page, kept exactly (`swa_slots.py`) -----
+    @torch.inference_mode()
+    def save_sequence(self, request_id: str) -> tuple[int, bytes] | None:
+        """(tokens in its state, its slot payload) of a sequence the runner still holds; None when it holds none,
+        it ends on a page boundary, or (with DSpark) the drafter's rings lag its tokens, which its next turn's
+        drafting could not start from."""
+        from .swa_slots import pack_state
+
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state.num_tokens % self.cache.page_size == 0:
+            return None
+        if self.proposer is not None and seq.state.dspark_num_tokens != seq.state.num_tokens:
+            return None
+        return seq.state.num_tokens, pack_state(self.cache, seq.state)
+
+    @torch.inference_mode()
+    def restore_sequence(self, request_id: str, table: list[int], num_tokens: int, payload: bytes) -> None:
+        """Start a sequence at `num_tokens` tokens from its cached pages (`table`) and a slot payload; its first
+        chunk, a prompt chunk (a new request), starts there."""
+        from .swa_slots import unpack_state
+
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already has a sequence state")
+        table = list(table)
+        state, slot = unpack_state(self.cache, table, num_tokens, payload)
+        self._seqs[request_id] = _Seq(state, slot, table)
 
     def replay_snapshot(self, table: list[int], boundary: int, token_ids, length: int) -> int:
         """Rebuild page `table[boundary / P - 1]`'s snapshot from the rows the pages of `table` hold and the
@@ -143,12 +180,56 @@ class V41ModelRunner(ModelRunner):
         return ForwardOutput(streams=streams, logits=torch.cat(logits))
 
     def _run_decode_steps(self, stepped: list["_Stepped"], logits: list, taps: list) -> None:
-        """The step's decode tokens and verifying chunks [token, drafts...] as decode steps in lockstep: the
-        i-th token of every such chunk in one `forward_decode`, which gives each row the bits of that sequence's
-        decode step alone, so batching changes no output. A verifying chunk's state is recorded after each of
-        its tokens (its undo); a page boundary snapshot is taken where a sequence crosses one (past what
-        verification keeps it is harmless: that page is not full, so no prefix hit reads it before the
-        sequence crosses the boundary again and snapshots anew)."""
+        """The step's decode tokens and verifying chunks [token, drafts...] as decode steps: with
+        `one_forward_verify`, every token of every such chunk in one `forward_decode` (unless a chunk is longer
+        than its sequence's tokens so far), else the i-th tokens of all chunks in one, a forward per token; each
+        row gets the bits of that sequence's decode step after the chunk's rows before it, so batching changes
+        no output. A verifying chunk's state is kept after each of its tokens (its undo); a page boundary
+        snapshot is taken where a sequence crosses one (past what verification keeps it is harmless: that page
+        is not full, so no prefix hit reads it before the sequence crosses the boundary again and snapshots
+        anew)."""
+        if self.one_forward_verify and all(s.state.num_tokens >= s.ids.shape[0] for s in stepped):
+            self._run_decode_rows(stepped, logits, taps)
+        else:
+            self._run_decode_lockstep(stepped, logits, taps)
+
+    def _run_decode_rows(self, stepped: list["_Stepped"], logits: list, taps: list) -> None:
+        rows = [(s, i) for s in stepped for i in range(s.ids.shape[0])]
+        starts = {s.index: s.state.num_tokens for s in stepped}
+        last = {s.index: s.ids.shape[0] - 1 for s in stepped}
+        keep = [i < last[s.index] and (s.undo is not None or starts[s.index] + i + 1 in s.pages) for s, i in rows]
+        res = self.model.forward_decode(torch.cat([s.ids for s in stepped]), [s.state for s, _ in rows], keep)
+        out = {s.index: [] for s in stepped}
+        for r, (s, i) in enumerate(rows):
+            n = starts[s.index] + i + 1  # the sequence's tokens after this row
+            if s.undo is not None:
+                if i == last[s.index]:
+                    s.undo.record()
+                else:
+                    s.undo.keep(n, res.saved[r])
+            if n in s.pages:
+                self._snapshot_at(s.pages[n], s.state, None if i == last[s.index] else res.saved[r])
+            if i in s.want:
+                out[s.index].append(r)
+        first = 0  # the chunk's first row
+        for s in stepped:
+            logits[s.index] = res.logits[out[s.index]]
+            taps[s.index] = res.main_hidden[first : first + s.ids.shape[0]] if res.main_hidden is not None else None
+            first += s.ids.shape[0]
+
+    def _snapshot_at(self, page: int, state: V41SequenceState, saved: tuple | None) -> None:
+        """Page `page`'s boundary snapshot from `state`, or from `saved` (the state a row left, before the rows
+        after it in the same forward)."""
+        if saved is None:
+            self.cache.snapshot(page, state)
+            return
+        now = state.save()
+        state.load(saved)
+        self.cache.snapshot(page, state)
+        state.load(now)
+
+    def _run_decode_lockstep(self, stepped: list["_Stepped"], logits: list, taps: list) -> None:
+        """The i-th token of every chunk in one `forward_decode`, one forward per token."""
         out = {s.index: [] for s in stepped}
         tap = {s.index: [] for s in stepped}
         for i in range(max(s.ids.shape[0] for s in stepped)):
