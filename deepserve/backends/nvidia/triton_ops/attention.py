@@ -50,15 +50,31 @@ def _sparse_mqa_kernel(
         rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
         ok = rows >= 0
         keys = tl.load(kv_ptr + tl.where(ok, rows, 0)[:, None] * stride_kvn + dims[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a part with no key yet: nothing to scale
-        p = tl.exp2(s - safe[:, None])
-        alpha = tl.exp2(m - safe)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
-        m = m_new
+        m, denom, acc = online_block(q, keys, ok, m, denom, acc, scale_log2, PRECISION)
+    finish_part(acc, m, denom, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr, t, split, heads, head_ok, dims, H,
+                half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
+
+
+@triton.jit
+def online_block(q, keys, ok, m, denom, acc, scale_log2, PRECISION: tl.constexpr):
+    """One block of keys [BLOCK_N, D] (`ok`: the real ones) folded into the heads' running maximum `m`,
+    denominator and sum `acc` (logits in log2 units); returns the three."""
+    s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a part with no key yet: nothing to scale
+    p = tl.exp2(s - safe[:, None])
+    alpha = tl.exp2(m - safe)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
+def finish_part(acc, m, denom, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr, t, split, heads, head_ok, dims, H,
+                half, stride_ot, stride_oh, stride_pos, D: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr):
+    """One part: the output (its rotary dims turned back with ROPE) where it is the only one, else its running
+    sum, maximum and denominator for `_merge_kernel`."""
     if SPLITS == 1:
         out = acc / denom[:, None]
         if ROPE:
@@ -66,7 +82,7 @@ def _sparse_mqa_kernel(
                                True)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:  # this part's running sum, maximum and denominator, merged by `_merge_kernel`
+    else:
         at = (t * SPLITS + split) * H + heads
         tl.store(part_ptr + at[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
         tl.store(stat_ptr + 2 * at, m, mask=head_ok)
@@ -96,28 +112,14 @@ def _merge_kernel(part_ptr, stat_ptr, out_ptr, pos_ptr, freq_ptr, H, half, strid
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
-               out: torch.Tensor | None = None, tiles: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
-    """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
-    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits):
-    bench/investigations/kernel_sweep.py.
-    `rope` (positions [T], inv_freq [half]): the output's last 2 * half dims turned back by each query's position
-    (`Backend.sparse_attention_rope`) in fp32 before the one rounding, where a separate inverse RoPE read the
-    rounded output back (a launch a layer)."""
-    T, H, d = q.shape
-    if d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two, got {d}")
-    q, kv = q.contiguous(), kv.contiguous()
-    indices = indices.contiguous()
-    out = torch.empty_like(q) if out is None else out
-    if T == 0:
-        return out
-    K = indices.shape[1]
+def tile_choice(T: int, H: int, d: int, K: int, itemsize: int, tiles: dict | None = None) -> dict:
+    """The tiles for T queries of H heads of width d over index lists of K entries (block_h, block_n, num_warps,
+    num_stages, splits); `tiles` overrides any of them (the others still chosen around it)."""
     block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
     block_n = 32 if d >= 256 else 64
     warps, stages = (8 if d >= 256 else 4), 2
     few_queries = False
-    if d >= 256 and q.element_size() == 2:
+    if d >= 256 and itemsize == 2:
         # bench/investigations/kernel_sweep.py on the H200 (run 15), d = 512 bf16: 64 keys per block; all 64 heads in
         # one program
         # once there are queries enough to fill the machine (each key row is read once per program, so a second
@@ -141,6 +143,28 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
         most = min(-(-SMS // programs), K // (2 * block_n), 16)
         while splits * 2 <= most:
             splits *= 2
+    return dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
+
+
+def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None, tiles: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
+    """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
+    `tiles` overrides the tile choice (block_h, block_n, num_warps, num_stages, splits):
+    bench/investigations/kernel_sweep.py.
+    `rope` (positions [T], inv_freq [half]): the output's last 2 * half dims turned back by each query's position
+    (`Backend.sparse_attention_rope`) in fp32 before the one rounding, where a separate inverse RoPE read the
+    rounded output back (a launch a layer)."""
+    T, H, d = q.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    q, kv = q.contiguous(), kv.contiguous()
+    indices = indices.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    K = indices.shape[1]
+    t = tile_choice(T, H, d, K, q.element_size(), tiles)
+    block_h, block_n, warps, stages, splits = t["block_h"], t["block_n"], t["num_warps"], t["num_stages"], t["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
     positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
     if rope is not None:

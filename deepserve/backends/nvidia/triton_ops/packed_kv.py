@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _merge_kernel
-from .common import SMS, dot_precision
-from .elementwise import rotate_pairs
+from .attention import LOG2E, _merge_kernel, finish_part, online_block, tile_choice
+from .common import dot_precision
 from .fp4_moe import _e2m1
 from .indexer import _top_columns
 
@@ -75,48 +74,9 @@ def _sparse_mqa_packed_kernel(
         rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
         ok = rows >= 0
         keys = _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride_row, dims, NOPE, SCALES_AT).to(q.dtype)
-        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - safe[:, None])
-        alpha = tl.exp2(m - safe)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
-        m = m_new
-    if SPLITS == 1:
-        out = acc / denom[:, None]
-        if ROPE:
-            out = rotate_pairs(out, half - D // 2, tl.load(pos_ptr + t * stride_pos).to(tl.float32), freq_ptr, half,
-                               True)
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        at = (t * SPLITS + split) * H + heads
-        tl.store(part_ptr + at[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
-        tl.store(stat_ptr + 2 * at, m, mask=head_ok)
-        tl.store(stat_ptr + 2 * at + 1, denom, mask=head_ok)
-
-
-def _tile_choice(T: int, H: int, d: int, K: int, itemsize: int) -> dict:
-    """`attention.sparse_mqa`'s tiles for these shapes (block_h, block_n, num_warps, num_stages, splits)."""
-    block_h = max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H)))
-    block_n, warps, few_queries = (32 if d >= 256 else 64), (8 if d >= 256 else 4), False
-    if d >= 256 and itemsize == 2:
-        block_n = 64
-        if T * triton.cdiv(H, 64) >= 2 * SMS:
-            block_h = max(16, min(64, triton.next_power_of_2(H)))
-        elif T * triton.cdiv(H, 32) <= 8:
-            block_h, few_queries = 16, True
-    programs, splits = T * triton.cdiv(H, block_h), 1
-    if few_queries:
-        while splits < min(16, triton.cdiv(K, block_n)):
-            splits *= 2
-    elif programs <= 32:
-        most = min(-(-SMS // programs), K // (2 * block_n), 16)
-        while splits * 2 <= most:
-            splits *= 2
-    return dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=2, splits=splits)
+        m, denom, acc = online_block(q, keys, ok, m, denom, acc, scale_log2, PRECISION)
+    finish_part(acc, m, denom, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr, t, split, heads, head_ok, dims, H,
+                half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
 
 
 def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices: torch.Tensor, sinks: torch.Tensor,
@@ -137,7 +97,7 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
     if T == 0:
         return out
     K = indices.shape[1]
-    tiles = {**_tile_choice(T, H, d, K, q.element_size()), **(tiles or {})}
+    tiles = tile_choice(T, H, d, K, q.element_size(), tiles)
     block_h, block_n, splits = tiles["block_h"], tiles["block_n"], tiles["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
     positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
