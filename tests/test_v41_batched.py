@@ -47,16 +47,30 @@ def test_forward_decode_gives_each_row_its_own_decode_bits(tiny):
         model.forward_decode([3], [model.make_state()])
 
 
-def _record_batches(llm) -> list[int]:
-    """Wraps the runner's model so that each forward_decode's batch size is kept."""
-    sizes, own = [], llm.model.forward_decode
+def _record_batches(llm) -> "_Sizes":
+    """Wraps the runner's model so that each forward_decode's batch size (its sequences; a verifying chunk's
+    tokens are rows of one) and its rows are kept."""
+    sizes, own = _Sizes(), llm.model.forward_decode
 
-    def recording(ids, states):
-        sizes.append(len(states))
-        return own(ids, states)
+    def recording(ids, states, keep=None):
+        sizes.append(len({id(s) for s in states}))
+        sizes.rows.append(len(states))
+        return own(ids, states, keep)
 
     llm.model.forward_decode = recording
     return sizes
+
+
+class _Sizes(list):
+    """Sequences per forward_decode; `rows`: rows per forward_decode (cleared with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.rows.clear()
 
 
 def _bits(out) -> list:
@@ -84,3 +98,4 @@ def test_a_sequences_tokens_and_logprobs_are_the_same_alone_and_in_a_batch(specu
     assert together == alone
     if speculative:
         assert llm.engine.stats.spec.num_verified_tokens > 0
+        assert max(sizes.rows) > len(prompts)  # verifying chunks ran as several rows of one forward

@@ -93,9 +93,9 @@ class V41ModelRunner(ModelRunner):
         self._step_chunks: list[ChunkInput] = []
         self._undos: list[V41Undo] = []  # this step's, in chunk order
         # True: a verifying chunk's tokens in one forward; False: one forward per token, the chunks in lockstep.
-        # The same bits on the CPU (tests/test_v41_verify.py); off until tests/test_v41_batched.py, which counts
-        # one row per sequence in each forward, follows it
-        self.one_forward_verify = False
+        # The same bits on the CPU (tests/test_v41_verify.py, tests/test_v41_batched.py), where it is on; on a
+        # device off until its path there (a ring copy between a sequence's rows) has run
+        self.one_forward_verify = torch.device(backend.device).type == "cpu"
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
