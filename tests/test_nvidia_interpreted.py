@@ -100,7 +100,7 @@ def _modes(path) -> dict:
         alone = _bits(llm, [PROMPT])
         # the kernels compute the model: the prefill's token and its logprob are the reference ops' (later tokens
         # may part at a near-tie: bf16 rounds differently on each path)
-        assert alone[0][0] == reference[0][0] and abs(alone[1][0] - reference[1][0]) < 0.05, (name, alone, reference)
+        assert alone[0][0] == reference[0][0] and abs(alone[1][0] - reference[1][0]) < 0.1, (name, alone, reference)
         found[name] = {"alone": alone, "batched": _bits(llm, [PROMPT] + OTHERS)}
         if invariant:
             found[name]["chunked"] = _bits(_llm(path, batch_invariant=True, max_num_batched_tokens=16),
@@ -118,7 +118,10 @@ def _static_layout_reads(path) -> None:
 def run_cases() -> dict[str, object]:
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
-    path = build_demo_checkpoint(Path(sys.argv[1]) / "demo", seed=3)
+    # one layer of each kind (window, CSA with its indexer, HCA), the first hash-routed: every kernel, half the time
+    path = build_demo_checkpoint(Path(sys.argv[1]) / "demo", seed=3, num_hidden_layers=3, num_hash_layers=1,
+                                 layer_types=["sliding_attention", "compressed_sparse_attention",
+                                              "heavily_compressed_attention"])
     results: dict[str, object] = {}
     for name, case in (("modes", lambda: _modes(path)), ("stale-static", lambda: _static_layout_reads(path))):
         try:

@@ -44,15 +44,16 @@ def chat_special_tokens() -> list[str]:
     return sorted(tokens - {BOS_TOKEN, EOS_TOKEN})
 
 
-def build_demo_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
+def build_demo_checkpoint(path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
     """Write config.json, model.safetensors and tokenizer.json of a random tiny V4 into `path`. Token ids:
-    BOS 0, EOS 1, the chat special tokens, then the 256 bytes."""
+    BOS 0, EOS 1, the chat special tokens, then the 256 bytes. `overrides`: config fields other than
+    `DEMO_CONFIG`'s (e.g. fewer layers: `layer_types` and `num_hidden_layers` together)."""
     from deepserve.model.factory import build_model, randomize
     from deepserve.model.tokenizer import make_byte_tokenizer
     from deepserve.model.writer import save_checkpoint
 
     specials = chat_special_tokens()
-    cfg = ModelConfig.from_dict({**DEMO_CONFIG, "vocab_size": 2 + len(specials) + 256})
+    cfg = ModelConfig.from_dict({**DEMO_CONFIG, **overrides, "vocab_size": 2 + len(specials) + 256})
     model = randomize(build_model(cfg, ReferenceBackend("cpu"), torch.float32), seed)
     path = save_checkpoint(model, path)
     make_byte_tokenizer(path, special_tokens=specials)

@@ -3,7 +3,7 @@
 The oracle is the reference backend run on fp32 copies of the kernel's (bf16) inputs; the kernel must land
 within bf16 rounding of it (relative L2 error under 1e-2) and write every output element (outputs are
 NaN-poisoned first). The `check_*` functions take the device and shapes, so the same checks run on the CPU under
-Triton's interpreter (TRITON_INTERPRET=1) with small shapes.
+Triton's interpreter (TRITON_INTERPRET=1) with small shapes: tests/test_kernels_interpreted.py.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def check_sparse_attention(device, T, H, d, N, window, topk, seed=0, dtype=torch
     return rel_err(out, ref)
 
 
-def check_indexer(device, T, Hi, Di, rows_per_seq, topk, seed=0) -> tuple[float, float]:
-    """Returns (relative error of the scores, fraction of the reference's top-k the kernel also chose)."""
-    from deepserve.backends.nvidia.triton_ops.indexer import indexer_scores, indexer_topk
+def check_indexer(device, T, Hi, Di, rows_per_seq, topk, seed=0, rpp=0) -> tuple[float, float]:
+    """Returns (relative error of the scores, fraction of the reference's top-k the kernel also chose). `rpp` > 0:
+    the same keys in shuffled pages of `rpp` rows read through block tables (`indexer_topk_paged`), else flat."""
+    from deepserve.backends.nvidia.triton_ops.indexer import indexer_scores, indexer_topk, indexer_topk_paged
 
     g = gen(device, seed)
     q = randn((T, Hi, Di), g, device)
@@ -82,7 +83,14 @@ def check_indexer(device, T, Hi, Di, rows_per_seq, topk, seed=0) -> tuple[float,
     key_count = torch.randint(0, rows_per_seq + 1, (T,), generator=g, device=device)
     key_count[0] = rows_per_seq
     width = int(key_count.max())
-    scores = indexer_scores(q, weights, keys, key_start, key_count, width, out=poisoned((T, width), torch.float32, device))
+    tables = pages = None
+    if rpp:  # query t's key r: page tables[t, r // rpp], row r % rpp
+        order = torch.randperm(T * rows_per_seq // rpp, generator=g, device=device)
+        pages = torch.empty((order.numel(), rpp, Di), dtype=keys.dtype, device=device)
+        pages[order] = keys.view(-1, rpp, Di)
+        tables = order.view(T, -1)
+    scores = indexer_scores(q, weights, pages if rpp else keys, key_start, key_count, width,
+                            out=poisoned((T, width), torch.float32, device), tables=tables)
     offs = torch.arange(width, device=device)
     visible = offs[None, :] < key_count[:, None]
     k = keys[(key_start[:, None] + offs[None, :]).clamp(max=keys.shape[0] - 1)].double()
@@ -90,7 +98,11 @@ def check_indexer(device, T, Hi, Di, rows_per_seq, topk, seed=0) -> tuple[float,
     ref_scores = ref_scores.masked_fill(~visible, float("-inf"))
     assert torch.equal(torch.isinf(scores), ~visible)
     err = rel_err(scores[visible], ref_scores[visible])
-    chosen = indexer_topk(q, weights, keys, key_start, key_count, topk)
+    if rpp:  # key numbers within each query's own keys: made rows of the flat keys
+        chosen = indexer_topk_paged(q, weights, pages, tables, key_count, topk)
+        chosen = torch.where(chosen >= 0, key_start[:, None] + chosen, -1)
+    else:
+        chosen = indexer_topk(q, weights, keys, key_start, key_count, topk)
     expect = ReferenceBackend(device).indexer_topk(q.float(), weights, keys.float(), key_start, key_count, topk)
     valid = chosen >= 0
     assert torch.equal(valid, expect >= 0), "a different number of keys chosen"
@@ -338,6 +350,7 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
     from deepserve.backends.nvidia.triton_ops.decode import compress_decode
     from deepserve.core.config import ModelConfig
     from deepserve.model.compressor import _Pooler
+    from deepserve.model.kv_precision import PlainRows
     from deepserve.model.layouts.static import emit_static
     from deepserve.tools.demo_checkpoint import DEMO_CONFIG
 
@@ -364,7 +377,7 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
     for _ in range(steps):
         x = torch.randn((B, 64), generator=g, device=device)
         index = SimpleNamespace(slot=slot[:, None], tables=tables)
-        pools = SimpleNamespace(**state)
+        pools = SimpleNamespace(**state, codec=PlainRows(D, dtype, dtype))  # rows kept as they are
         kv, gate = pooler.kv_proj(x), pooler.gate_proj(x)
         emit_static(pooler, kv, gate, positions, index, pools, pad_slot=B, trash_page=pages - 1)
         compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, mine["open_kv"], mine["open_gate"],
@@ -456,9 +469,10 @@ def test_sparse_attention(T):
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("rpp", [0, 64])  # flat keys; paged (as a decode step reads them)
 @pytest.mark.parametrize("T", [1, 64, 256])  # the reference materialises [T, 64, 2048, 128] fp32
-def test_indexer(T):
-    err, overlap = check_indexer(CUDA, T, 64, 128, rows_per_seq=2048, topk=512, seed=T)
+def test_indexer(T, rpp):
+    err, overlap = check_indexer(CUDA, T, 64, 128, rows_per_seq=2048, topk=512, seed=T, rpp=rpp)
     print(f"indexer T={T}: scores rel err {err:.2e}, top-k overlap {overlap:.4f}")
     assert err < 1e-3  # bf16 products summed in fp32
     assert overlap > 0.98  # only near-ties at the cut may differ
@@ -551,26 +565,30 @@ def test_hc_post_mix(T):
     assert streams_err < BF16_TOL and pre_err < 1e-3  # the same bf16 streams: only the sums' order differs
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_hc_head_norm_from_post_mix(T):
+def check_hc_head_norm_from_post_mix(device, T, n, D, seed=0) -> float:
     """The final head with its norm fused (`hc_head_norm`), from the mix that the last `hc_post_mix` left,
     against the reference's hc_head then rms_norm."""
     from deepserve.backends.nvidia.triton_ops.mhc import hc_head, hc_post_mix
 
-    g = gen(CUDA, T)
-    n, D = 4, 4096
-    streams, y = randn((T, n, D), g, CUDA), randn((T, D), g, CUDA)
-    post = torch.rand((T, n), generator=g, device=CUDA) * 2
-    comb = torch.softmax(torch.randn((T, n, n), generator=g, device=CUDA), dim=-1)
-    fn = torch.randn((n, n * D), generator=g, device=CUDA) * 0.5 / math.sqrt(n * D)
-    base = 0.5 * torch.randn(n, generator=g, device=CUDA)
-    scale = 1.0 + 0.2 * torch.randn(1, generator=g, device=CUDA)
-    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=CUDA)
+    g = gen(device, seed)
+    streams, y = randn((T, n, D), g, device), randn((T, D), g, device)
+    post = torch.rand((T, n), generator=g, device=device) * 2
+    comb = torch.softmax(torch.randn((T, n, n), generator=g, device=device), dim=-1)
+    fn = torch.randn((n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn(n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(1, generator=g, device=device)
+    weight = 1.0 + 0.1 * torch.randn(D, generator=g, device=device)
     new, mix = hc_post_mix(streams, y, post, comb, fn)
-    got = hc_head(new, fn, base, scale, 1e-6, 1e-6, out=poisoned((T, D), torch.bfloat16, CUDA), norm=(weight, 1e-5),
-                  mix=mix)
-    want = ReferenceBackend(CUDA).hc_head_norm(new.float(), fn, base, scale, 1e-6, 1e-6, weight, 1e-5)
-    assert mix is not None and rel_err(got, want) < BF16_TOL
+    assert mix is not None
+    got = hc_head(new, fn, base, scale, 1e-6, 1e-6, out=poisoned((T, D), torch.bfloat16, device),
+                  norm=(weight, 1e-5), mix=mix)
+    want = ReferenceBackend(device).hc_head_norm(new.float(), fn, base, scale, 1e-6, 1e-6, weight, 1e-5)
+    return rel_err(got, want)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_hc_head_norm_from_post_mix(T):
+    assert check_hc_head_norm_from_post_mix(CUDA, T, n=4, D=4096, seed=T) < BF16_TOL
 
 
 @pytest.mark.parametrize("T", [1, 4, 300])
@@ -589,21 +607,26 @@ def test_hc_head(T):
     assert check_hc_head(CUDA, T, n=4, D=4096, dtype=torch.float32, seed=T) < 1e-5  # fp32 products and sums
 
 
-@pytest.mark.parametrize("T", [1, 300])  # 300: cuBLAS's fp32 mix, whose squares hc_pre sums itself
-def test_hc_pre_fp32(T):
+def check_hc_pre_fp32(device, T, n, D, seed=0) -> float:
+    """`hc_pre` of fp32 streams (fp32 products: the kernels' mix up to SMALL_MIX_TOKENS tokens, cuBLAS's above,
+    whose squares hc_pre sums itself) against the reference's: the worst relative error of its three outputs."""
     from deepserve.backends.nvidia.triton_ops.mhc import hc_pre
 
-    g = gen(CUDA, T)
-    n, D = 4, 4096
-    streams = torch.randn((T, n, D), generator=g, device=CUDA)
-    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=CUDA) * 0.5 / math.sqrt(n * D)
-    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=CUDA)
-    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=CUDA)
-    got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out=poisoned((T, D), torch.float32, CUDA))
-    want = ReferenceBackend(CUDA).hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    errs = [rel_err(a, b) for a, b in zip(got, want)]
-    print(f"hc_pre fp32 T={T}: {errs}")
-    assert max(errs) < 1e-5
+    g = gen(device, seed)
+    streams = torch.randn((T, n, D), generator=g, device=device)
+    fn = torch.randn(((2 + n) * n, n * D), generator=g, device=device) * 0.5 / math.sqrt(n * D)
+    base = 0.5 * torch.randn((2 + n) * n, generator=g, device=device)
+    scale = 1.0 + 0.2 * torch.randn(3, generator=g, device=device)
+    got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out=poisoned((T, D), torch.float32, device))
+    want = ReferenceBackend(device).hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    return max(rel_err(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("T", [1, 300])  # 300: cuBLAS's fp32 mix, whose squares hc_pre sums itself
+def test_hc_pre_fp32(T):
+    err = check_hc_pre_fp32(CUDA, T, n=4, D=4096, seed=T)
+    print(f"hc_pre fp32 T={T}: {err:.2e}")
+    assert err < 1e-5
 
 
 @pytest.mark.parametrize("shape,weighted", [((64, 64, 512), False), ((300, 4096), True), ((7, 1024), True)])
@@ -633,33 +656,43 @@ def test_compress_decode(ratio, D, overlap, dtype):
     assert err < (1e-5 if dtype == torch.float32 else BF16_TOL)
 
 
-@pytest.mark.parametrize("T,top_k,E,bm", [(1, 6, 32, 16), (64, 6, 32, 16), (256, 6, 32, 32), (33, 8, 256, 16)])
-def test_align_small_equals_align(T, top_k, E, bm):
+def check_align(device, T, top_k, E, bm, seed=0) -> None:
+    """The one-program alignment of a decode step's pairs (`_align_small`) equals the sorted one (`_align`)."""
     from deepserve.backends.nvidia.triton_ops.moe import _align, _align_small
 
-    g = torch.Generator().manual_seed(T)
-    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(CUDA)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(device)
     a, b = _align(ids, E, bm), _align_small(ids, E, bm)
     assert a[2] == b[2] and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("E,top_k,hashed", [(32, 6, False), (256, 8, False), (32, 6, True)])
-def test_route(E, top_k, hashed):
+@pytest.mark.parametrize("T,top_k,E,bm", [(1, 6, 32, 16), (64, 6, 32, 16), (256, 6, 32, 32), (33, 8, 256, 16)])
+def test_align_small_equals_align(T, top_k, E, bm):
+    check_align(CUDA, T, top_k, E, bm, seed=T)
+
+
+def check_route(device, T, E, top_k, hashed, seed=0) -> float:
+    """`route` (router scores, bias, top-k or hashed ids, normalized weights) against the reference's scores;
+    returns the largest weight error."""
     from deepserve.backends.nvidia.triton_ops.moe import route
 
-    g = gen(CUDA, E)
-    T = 200
-    logits = torch.randn((T, E), generator=g, device=CUDA) * 3
+    g = gen(device, seed)
+    logits = torch.randn((T, E), generator=g, device=device) * 3
     logits[0, :4] = 30.0  # softplus's linear branch
-    bias = torch.randn(E, generator=g, device=CUDA) * 0.1
-    hash_ids = torch.stack([torch.randperm(E, device=CUDA)[:top_k] for _ in range(T)]) if hashed else None
+    bias = torch.randn(E, generator=g, device=device) * 0.1
+    hash_ids = torch.stack([torch.randperm(E, device=device)[:top_k] for _ in range(T)]) if hashed else None
     ids, weights = route(logits, None if hashed else bias, hash_ids, top_k, 2.5)
-    scores = ReferenceBackend(CUDA).router_scores(logits)
+    scores = ReferenceBackend(device).router_scores(logits)
     expect = hash_ids if hashed else torch.topk(scores + bias, top_k, dim=-1).indices
     assert torch.equal(ids.sort(1).values, expect.sort(1).values)
     ref = scores.gather(1, ids)
     ref = ref / (ref.sum(-1, keepdim=True) + 1e-20) * 2.5
-    assert float((weights - ref).abs().max()) < 1e-6
+    return float((weights - ref).abs().max())
+
+
+@pytest.mark.parametrize("E,top_k,hashed", [(32, 6, False), (256, 8, False), (32, 6, True)])
+def test_route(E, top_k, hashed):
+    assert check_route(CUDA, 200, E, top_k, hashed, seed=E) < 1e-6
 
 
 def check_route_hidden(device, T, D, E, top_k, hashed, seed=0, dtype=torch.bfloat16, parts=None):
@@ -712,14 +745,19 @@ def test_route_hidden_in_a_cuda_graph():
     assert b.route_hidden(randn((17, 4096), g, CUDA), w, bias, None, tokens, 6, 1.0) is None  # > 16 tokens
 
 
-def test_swiglu_kernel():
+def check_swiglu(device, T, I, seed=3) -> float:
+    """The clamped SwiGLU kernel on strided halves of one gate-up tensor against the reference's."""
     from deepserve.backends.nvidia.triton_ops.elementwise import swiglu
 
-    g = gen(CUDA, 3)
-    gate_up = randn((300, 2 * 2048), g, CUDA, std=6.0)
-    gate, up = gate_up[:, :2048], gate_up[:, 2048:]  # strided rows, as the shared expert's halves may be
+    g = gen(device, seed)
+    gate_up = randn((T, 2 * I), g, device, std=6.0)
+    gate, up = gate_up[:, :I], gate_up[:, I:]  # strided rows, as the shared expert's halves may be
     out = swiglu(gate, up, 10.0)
-    assert rel_err(out, ReferenceBackend(CUDA).swiglu(gate.float(), up.float(), 10.0)) < BF16_TOL
+    return rel_err(out, ReferenceBackend(device).swiglu(gate.float(), up.float(), 10.0))
+
+
+def test_swiglu_kernel():
+    assert check_swiglu(CUDA, 300, 2048) < BF16_TOL
 
 
 @pytest.mark.parametrize("K,ratio", [(0, 0), (512, 0), (256, 4), (32, 128)])
@@ -732,21 +770,26 @@ def test_paged_key_rows(K):
     check_paged_key_rows(CUDA, 300, 128, K, 64)
 
 
-@pytest.mark.parametrize("inverse", [False, True])
-def test_rope_in_place(inverse):
-    """`inplace=True` rotates the given rows themselves (touching only the rotated dims) to the same values."""
+def check_rope_in_place(device, T, H, d, rope_dim, inverse, seed=2) -> None:
+    """`inplace=True` rotates the given rows themselves (touching only the rotated dims) to the same values; a
+    view that is not contiguous gets a copy."""
     from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
 
-    g = gen(CUDA, 2)
-    x = randn((300, 64, 512), g, CUDA)
-    positions = torch.randint(0, 32768, (300,), generator=g, device=CUDA)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=CUDA).float() / 64))
+    g = gen(device, seed)
+    x = randn((T, H, d), g, device)
+    positions = torch.randint(0, 32768, (T,), generator=g, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
     expect = apply_rope(x, positions, inv_freq, inverse)
     y = x.clone()
     out = apply_rope(y, positions, inv_freq, inverse, inplace=True)
     assert out.data_ptr() == y.data_ptr() and torch.equal(out, expect)
-    assert torch.equal(apply_rope(x.clone().transpose(0, 1), positions[:64], inv_freq, inverse, inplace=True),
-                       apply_rope(x.transpose(0, 1), positions[:64], inv_freq, inverse))  # not contiguous: a copy
+    assert torch.equal(apply_rope(x.clone().transpose(0, 1), positions[:H], inv_freq, inverse, inplace=True),
+                       apply_rope(x.transpose(0, 1), positions[:H], inv_freq, inverse))  # not contiguous: a copy
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place(inverse):
+    check_rope_in_place(CUDA, 300, 64, 512, 64, inverse)
 
 
 def test_split_bf16_terms_sum_to_fn():
@@ -761,21 +804,27 @@ def test_split_bf16_terms_sum_to_fn():
     assert rel_err(split_bf16(fn).double().sum(0), fn) < 1e-7  # rebuilt after an in-place write
 
 
+def check_rope_fp32_long(device, T, H, d, rope_dim, inverse, max_pos=2**20, seed=1) -> float:
+    """fp32 rows at positions up to `max_pos` (the first two 0 and max_pos - 1): the kernel's angles and cos/sin
+    against torch's, and a strided position column (as the static decode step passes) giving the same bits."""
+    from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
+
+    g = gen(device, seed)
+    x = torch.randn((T, H, d), generator=g, device=device)
+    positions = torch.randint(0, max_pos, (T,), generator=g, device=device)
+    positions[:2] = torch.tensor([0, max_pos - 1])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    out = apply_rope(x, positions[::1], inv_freq, inverse, out=poisoned(x.shape, torch.float32, device))
+    ref = ReferenceBackend(device).apply_rope(x, positions, inv_freq, inverse)
+    strided = torch.stack((positions, positions), dim=1)[:, 0]  # a column view, as the static decode step passes
+    assert torch.equal(apply_rope(x, strided, inv_freq, inverse), out)
+    return rel_err(out, ref)
+
+
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_fp32_at_long_positions(inverse):
     """fp32 rows at positions up to 1M: the kernel's angles and libdevice cos/sin against torch's."""
-    from deepserve.backends.nvidia.triton_ops.elementwise import apply_rope
-
-    g = gen(CUDA, 1)
-    x = torch.randn((257, 8, 512), generator=g, device=CUDA)
-    positions = torch.randint(0, 2**20, (257,), generator=g, device=CUDA)
-    positions[:2] = torch.tensor([0, 2**20 - 1])
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=CUDA).float() / 64))
-    out = apply_rope(x, positions[::1], inv_freq, inverse, out=poisoned(x.shape, torch.float32, CUDA))
-    ref = ReferenceBackend(CUDA).apply_rope(x, positions, inv_freq, inverse)
-    assert rel_err(out, ref) < 1e-6
-    strided = torch.stack((positions, positions), dim=1)[:, 0]  # a column view, as the static decode step passes
-    assert torch.equal(apply_rope(x, strided, inv_freq, inverse), out)
+    assert check_rope_fp32_long(CUDA, 257, 8, 512, 64, inverse) < 1e-6
 
 
 def test_backend_uses_kernels():
@@ -799,22 +848,19 @@ def test_grouped_linear_writes_groups_in_place(T):
     assert rel_err(out, ReferenceBackend(CUDA).grouped_linear(x.float(), w.float())) < BF16_TOL
 
 
-@pytest.mark.parametrize("M", [1, 3, 4])
-@pytest.mark.parametrize("N,K,groups", [(4160, 4096, 0), (32768, 1024, 0), (40, 200, 0), (1024, 4096, 8),
-                                        (1536, 4096, 0), (4096, 8192, 0)])
-def test_gemv(M, N, K, groups):
+def check_gemv(device, M, N, K, groups, seed=0) -> None:
     """`gemv` / `grouped_gemv` against fp32 products of the same bf16 operands, with K split (arrival counters
     given: the default split, and an uneven one) and whole; NaN-free, the right shape, the counters left zero,
     and a split call repeated gives the same bits."""
     from deepserve.backends.nvidia.triton_ops.gemv import gemv, grouped_gemv
 
-    g = gen(CUDA, M * N)
-    counters = torch.zeros(4096, dtype=torch.int32, device=CUDA)
+    g = gen(device, seed)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
     if groups:
-        x, w = randn((M, groups, K), g, CUDA), randn((groups, N, K), g, CUDA, std=K**-0.5)
+        x, w = randn((M, groups, K), g, device), randn((groups, N, K), g, device, std=K**-0.5)
         ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
     else:
-        x, w = randn((M, K), g, CUDA), randn((N, K), g, CUDA, std=K**-0.5)
+        x, w = randn((M, K), g, device), randn((N, K), g, device, std=K**-0.5)
         ref = x.float() @ w.float().t()
 
     def run(tiles, c):
@@ -829,21 +875,53 @@ def test_gemv(M, N, K, groups):
             assert torch.equal(out, run(tiles, c))
 
 
-@pytest.mark.parametrize("M", [1, 4])
-@pytest.mark.parametrize("N,K", [(32768, 1024), (1536, 4096)])  # q_b, and a split K
-def test_gemv_norm(M, N, K):
-    """`gemv` with the input RMSNorm fused (`rms_norm_linear`) against `rms_norm` then `gemv`."""
+@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("N,K,groups", [(4160, 4096, 0), (32768, 1024, 0), (40, 200, 0), (1024, 4096, 8),
+                                        (1536, 4096, 0), (4096, 8192, 0)])
+def test_gemv(M, N, K, groups):
+    check_gemv(CUDA, M, N, K, groups, seed=M * N)
+
+
+def check_gemv_norm(device, M, N, K, seed=0) -> None:
+    """`gemv` with the input RMSNorm fused (`rms_norm_linear`) against `rms_norm` then `gemv`, and the reference."""
     from deepserve.backends.nvidia.triton_ops.elementwise import rms_norm
     from deepserve.backends.nvidia.triton_ops.gemv import gemv
 
-    g = gen(CUDA, M * N)
-    x, w = randn((M, K), g, CUDA, std=3.0), randn((N, K), g, CUDA, std=K**-0.5)
-    norm_w = 1.0 + 0.1 * torch.randn(K, generator=g, device=CUDA)
-    counters = torch.zeros(4096, dtype=torch.int32, device=CUDA)
+    g = gen(device, seed)
+    x, w = randn((M, K), g, device, std=3.0), randn((N, K), g, device, std=K**-0.5)
+    norm_w = 1.0 + 0.1 * torch.randn(K, generator=g, device=device)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
     got = gemv(x, w, None, counters, norm=(norm_w, 1e-6))
     want = gemv(rms_norm(x, norm_w, 1e-6), w, None, counters)
-    ref = ReferenceBackend(CUDA).rms_norm_linear(x.float(), norm_w, 1e-6, w.float())
+    ref = ReferenceBackend(device).rms_norm_linear(x.float(), norm_w, 1e-6, w.float())
     assert rel_err(got, want) < BF16_TOL and rel_err(got, ref) < BF16_TOL and not counters.any()
+
+
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("N,K", [(32768, 1024), (1536, 4096)])  # q_b, and a split K
+def test_gemv_norm(M, N, K):
+    check_gemv_norm(CUDA, M, N, K, seed=M * N)
+
+
+def check_invariant_matmul(device, M, K, N, rows, seed=0) -> float:
+    """The batch-invariant GEMM (`invariant.matmul`): the first m rows alone get the bits they get among all M, for
+    each m in `rows`, in bf16 and fp32 outputs; returns the whole product's relative error against fp32 products
+    of the same bf16 operands."""
+    from deepserve.backends.nvidia.triton_ops.invariant import matmul
+
+    g = gen(device, seed)
+    x = randn((M, K), g, device)
+    w = randn((N, K), g, device, std=K**-0.5)
+    full = matmul(x, w)
+    for m in rows:
+        assert torch.equal(matmul(x[:m], w), full[:m]), m
+    assert torch.equal(matmul(x[:7], w, torch.float32), matmul(x, w, torch.float32)[:7])
+    return rel_err(full, x.float() @ w.float().t())
+
+
+@pytest.mark.parametrize("K,N", [(64, 512), (4096, 1024), (7168, 4096)])
+def test_invariant_matmul(K, N):
+    assert check_invariant_matmul(CUDA, 300, K, N, rows=(1, 2, 5, 16, 63, 64, 65, 129), seed=K) < BF16_TOL
 
 
 def test_backend_takes_gemv_for_few_rows():
