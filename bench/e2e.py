@@ -25,9 +25,12 @@ measured it: `LLM(model=DIR, dtype="bfloat16", max_num_seqs=256, max_model_len=1
   first burst of the same size; tokens/s and the median time to first token, against `LLM.generate` of the same
   prompts (two calls of `concurrency` prompts) in this process after the server has stopped.
 - `startup`: `deepserve serve` on a fresh `DEEPSERVE_CACHE_DIR` (cold; the page cache dropped first where this
-  process may, never with --quick) and again on the same directory (restart): seconds from the process's start to
-  `/health` answering 200, the first request (32 tokens: time to first token and to its end), then a burst of 64
-  requests and a second one (median time to first token).
+  process may, never with --quick), again on the same directory (restart), on it with `--skip-warm-up` (what the
+  first requests pay without the start-up warm-up of `deepserve.model.warm_up`), and on another fresh directory
+  with `--skip-warm-up` (the cold start as it was before the warm-up): seconds from the process's start to
+  `/health` answering 200, and of them the decode graphs' capture and the warm-up (from the server's log), the
+  first request (32 tokens: time to first token and to its end), then a burst of 64 requests and a second one
+  (median time to first token).
 - `speculative`: bench/spec_graphs.py's `run` (a drafter of controlled acceptance, fixed-k and DSpark's planner
   against no speculation at batch 1, 16, 64), options through `--spec-args`.
 - `invariance`: bench/batch_invariance_gpu.py's `run_mode` on this checkpoint, default and `batch_invariant=True`.
@@ -278,8 +281,9 @@ class Server:
     """`deepserve serve CKPT` in a child process on a free port (its output in `log`), as an async context manager
     that waits for `/health` and stops it on the way out; `ready_seconds`: from its start to the first 200."""
 
-    def __init__(self, ckpt: Path, plan: Plan, log: Path, cache_dir: Path | None = None) -> None:
-        self.ckpt, self.plan, self.log, self.cache_dir = ckpt, plan, log, cache_dir
+    def __init__(self, ckpt: Path, plan: Plan, log: Path, cache_dir: Path | None = None,
+                 flags: tuple[str, ...] = ()) -> None:
+        self.ckpt, self.plan, self.log, self.cache_dir, self.flags = ckpt, plan, log, cache_dir, flags
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.session = None
@@ -295,7 +299,8 @@ class Server:
         began = time.perf_counter()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "deepserve", "serve", str(self.ckpt), "--port",
-                                          str(self.port), "--served-model-name", "e2e", *self.plan.serve_flags()],
+                                          str(self.port), "--served-model-name", "e2e", *self.plan.serve_flags(),
+                                          *self.flags],
                                          stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.session = aiohttp.ClientSession(f"http://127.0.0.1:{self.port}", timeout=aiohttp.ClientTimeout(total=None),
                                              connector=aiohttp.TCPConnector(limit=0))
@@ -408,23 +413,43 @@ def drop_page_cache() -> bool:
         return False
 
 
+def start_up_phases(log: Path) -> dict:
+    """Seconds of the server's start-up phases, from its log (at level info): the decode graphs' capture
+    (`DecodeGraphs.warm_up`) and the step warm-up (`deepserve.model.warm_up`); None where the log has no line."""
+    import re
+
+    text = log.read_text(errors="replace")
+    found = {name: re.findall(pattern, text) for name, pattern in
+             (("capture_seconds", r"\d+ decode buckets made in ([\d.]+) s"),
+              ("warm_up_seconds", r"warm-up: \d+ steps .* in ([\d.]+) s"))}
+    return {name: float(hits[-1]) if hits else None for name, hits in found.items()}
+
+
+#: the start-up runs: label, DEEPSERVE_CACHE_DIR (under the work folder), `deepserve serve` flags
+STARTUP_RUNS = (("cold", "deepserve_cache", ()), ("restart", "deepserve_cache", ()),
+                ("restart_no_warm_up", "deepserve_cache", ("--skip-warm-up",)),
+                ("cold_no_warm_up", "deepserve_cache_no_warm_up", ("--skip-warm-up",)))
+
+
 async def part_startup(ckpt: Path, plan: Plan, rec: Record, work: Path) -> None:
     vocab = vocab_of(ckpt)
-    cache = work / "deepserve_cache"  # a fresh DEEPSERVE_CACHE_DIR, shared by the cold start and the restart
     rec["caches_before"] = caches_present()
     rec["runs"] = {}
-    for i, label in enumerate(("cold", "restart")):
+    for i, (label, cache, flags) in enumerate(STARTUP_RUNS):
         # (never on the shared CPU box of a --quick run: the page cache is the whole machine's)
-        row = {"page_cache_dropped": drop_page_cache() if label == "cold" and not plan.quick else False}
-        async with Server(ckpt, plan, work / f"startup_{label}.log", cache_dir=cache) as server:
+        row = {"page_cache_dropped": drop_page_cache() if label.startswith("cold") and not plan.quick else False}
+        log = work / f"startup_{label}.log"
+        async with Server(ckpt, plan, log, cache_dir=work / cache, flags=("--log-level", "info", *flags)) as server:
             row["ready_seconds"] = server.ready_seconds
             one = [prompts(1, plan, vocab, 20_000 + 10 * i)]
             row["first_request"] = await burst(server, by_client(one), plan.first_tokens)
             for name, k in (("first_burst", 1), ("second_burst", 2)):
                 row[name] = await burst(server, by_client([prompts(plan.burst, plan, vocab, 20_000 + 10 * i + k)]),
                                         plan.first_tokens)
+        row.update(start_up_phases(log))
         rec["runs"][label] = row
-        print(f"{label}: ready {row['ready_seconds']:.1f} s; first request TTFT "
+        print(f"{label}: ready {row['ready_seconds']:.1f} s (capture {row['capture_seconds']} s, warm-up "
+              f"{row['warm_up_seconds']} s); first request TTFT "
               f"{row['first_request']['ttft_median_s']:.2f} s; burst of {plan.burst}: median TTFT "
               f"{row['first_burst']['ttft_median_s']:.2f} s, then {row['second_burst']['ttft_median_s']:.2f} s",
               flush=True)
@@ -513,12 +538,15 @@ def _table_server(r: dict) -> list[str]:
 
 def _table_startup(r: dict) -> list[str]:
     p = r["plan"]
-    lines = [f"| start | `/health` ready | first request ({p['first_tokens']} tokens): TTFT / total | burst of "
-             f"{p['burst']}: median TTFT | next burst: median TTFT |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| start | `/health` ready | of it: graph capture / warm-up | first request ({p['first_tokens']} "
+             f"tokens): TTFT / total | burst of {p['burst']}: median TTFT | next burst: median TTFT |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for label, row in r.get("runs", {}).items():
         note = ", page cache dropped" if row["page_cache_dropped"] else ""
         first = row["first_request"]
-        lines.append(f"| {label}{note} | {_s(row['ready_seconds'])} | {_s(first['ttft_median_s'])} / "
+        phases = " / ".join(_s(row[k]) if row.get(k) is not None else "-"
+                            for k in ("capture_seconds", "warm_up_seconds"))
+        lines.append(f"| {label}{note} | {_s(row['ready_seconds'])} | {phases} | {_s(first['ttft_median_s'])} / "
                      f"{_s(first['seconds'])} | {_s(row['first_burst']['ttft_median_s'])} | "
                      f"{_s(row['second_burst']['ttft_median_s'])} |")
     return lines

@@ -6,6 +6,7 @@
     python bench/server_host.py --baseline /tmp/old --repeats 3 ...   # both, alternately (before/after)
     python bench/server_host.py --baseline /tmp/old --stream-interval 1,4 ...   # this tree at each interval too
     python bench/server_host.py --route chat ...    # streamed /v1/chat/completions (deepseek-recipe) instead
+    python bench/server_host.py --engine-process 0,1 ...   # the server with the engine in-process, then in its own
 
 The server side is the real app (`deepserve.server.create_app`, run on uvloop as `deepserve serve` runs it) over
 an `EngineCore` whose executor returns every step's samples at once (bench/engine_host.py's `InstantExecutor`:
@@ -26,7 +27,11 @@ that device (a projection: this CPU is not the GPU host's). `--stream-interval` 
 --stream-interval`): tokens per streamed chunk; with `--baseline` the old tree runs at 1 (it may not have the
 option) and this one at each interval listed. `--route chat` streams `/v1/chat/completions` instead: a user
 message of about `prompt-len` tokens of text, `max_tokens` each (the instant executor never samples EOS, so every
-request makes them all), through deepseek-recipe's stream processor.
+request makes them all), through deepseek-recipe's stream processor. `--engine-process 0,1` measures the server
+twice per repeat: with the engine on a thread of the server's process (0), and in a process of its own behind the
+front (1: `deepserve.distributed.engine_process`, as `deepserve serve --engine-process` runs it; the same instant
+engine, built in the child by `make_rank_engine`). The server's CPU seconds are then its process's alone; the
+engine process's are recorded apart (`server_engine_process_engine_cpu_s`).
 """
 
 from __future__ import annotations
@@ -80,6 +85,15 @@ def make_engine(max_num_seqs: int, max_model_len: int, device_ms: float = 0.0):
     return engine, cfg, tokenizer
 
 
+def make_rank_engine(max_num_seqs: int, max_model_len: int, device_ms: float = 0.0):
+    """`make_engine`'s engine as the engine process builds it (`deepserve.distributed.rank.RankEngine`), in the
+    child."""
+    from deepserve.distributed.rank import RankEngine
+
+    engine, _, _ = make_engine(max_num_seqs, max_model_len, device_ms)
+    return RankEngine(engine, max_model_len, max_num_seqs)
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256, vocab) for _ in range(length)] for _ in range(n)]
@@ -115,8 +129,11 @@ def engine_alone(concurrency: int, args, views: bool) -> tuple[float, float]:
 
 
 def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, switch_interval: float,
-          stream_interval: int = 1) -> None:
-    """The child: the real app on uvloop over the instant engine, until SIGTERM."""
+          stream_interval: int = 1, engine_process: bool = False) -> None:
+    """The child: the real app on uvloop over the instant engine (`engine_process`: in a process of its own behind
+    the front), until SIGTERM."""
+    import functools
+
     import uvloop
 
     if switch_interval:
@@ -127,7 +144,17 @@ def serve(port: int, concurrency: int, max_model_len: int, device_ms: float, swi
     from deepserve.server import ServerConfig, create_app
 
     def factory() -> AsyncEngine:
-        engine, cfg, tokenizer = make_engine(concurrency, max_model_len, device_ms)
+        if engine_process:
+            from deepserve.distributed.engine_process import start_engine_process
+            from deepserve.model.tokenizer import Tokenizer
+            from deepserve.core.config import ModelConfig
+
+            cfg = ModelConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
+            tokenizer = Tokenizer(MODEL, cfg)
+            engine = start_engine_process(functools.partial(make_rank_engine, concurrency, max_model_len, device_ms),
+                                          vocab_size=cfg.vocab_size)
+        else:
+            engine, cfg, tokenizer = make_engine(concurrency, max_model_len, device_ms)
         wrapped = AsyncEngine(engine)
         # what the server reads of an `LLM` (deepserve.server.state.ModelInfo.from_engine)
         wrapped.llm = SimpleNamespace(model=SimpleNamespace(cfg=cfg), tokenizer=tokenizer, max_model_len=max_model_len)
@@ -171,9 +198,9 @@ async def stream_request(session, path: str, body: dict) -> tuple[int, float]:
     return json.loads(usage_line)["usage"]["completion_tokens"], first
 
 
-async def through_server(concurrency: int, args) -> tuple[float, float]:
-    """(tokens/s, tokens per CPU second of the server process) of `concurrency` streaming clients, `rounds`
-    requests each, through a fresh server."""
+async def through_server(concurrency: int, args, engine_process: bool = False) -> tuple[float, float, float]:
+    """(tokens/s, tokens per CPU second of the server process, CPU seconds of its engine process (0 without one))
+    of `concurrency` streaming clients, `rounds` requests each, through a fresh server."""
     import aiohttp
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -184,7 +211,8 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--concurrency", str(concurrency),
                              "--max-model-len", str(max_model_len), "--device-ms", str(args.device_ms),
                              "--switch-interval", str(args.switch_interval),
-                             "--stream-interval", str(args.stream_interval)],
+                             "--stream-interval", str(args.stream_interval)]
+                            + (["--engine-process", "1"] if engine_process else []),
                             env=os.environ.copy())
     try:
         connector = aiohttp.TCPConnector(limit=0)
@@ -197,15 +225,30 @@ async def through_server(concurrency: int, args) -> tuple[float, float]:
                 for i, ids in enumerate(prompts(concurrency, args.prompt_len, vocab, r)):
                     per_client[i].append(ids)
             counts: list[int] = []
+            children = engine_children(proc.pid) if engine_process else []
             began, cpu = time.perf_counter(), cpu_seconds(proc.pid)
+            child_cpu = sum(map(cpu_seconds, children))
             await asyncio.gather(*(_client(session, ids, args, counts) for ids in per_client))
             seconds, cpu = time.perf_counter() - began, cpu_seconds(proc.pid) - cpu
+            child_cpu = sum(map(cpu_seconds, children)) - child_cpu
     finally:
         proc.terminate()
         proc.wait(30)
     if sum(counts) != concurrency * args.rounds * args.max_tokens:
         raise RuntimeError(f"the server streamed {sum(counts)} tokens, not {concurrency * args.rounds * args.max_tokens}")
-    return sum(counts) / seconds, sum(counts) / cpu
+    return sum(counts) / seconds, sum(counts) / cpu, child_cpu
+
+
+def engine_children(pid: int) -> list[int]:
+    """The engine process among `pid`'s children (spawn also starts a resource tracker, which is not counted)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():  # (a child belongs to the thread that started it)
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    if not found:
+        raise RuntimeError(f"the server {pid} has no engine process")
+    return found
 
 
 def compare(args) -> None:
@@ -218,7 +261,7 @@ def compare(args) -> None:
     res = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "baseline": trees["baseline"][0],
            "stream_intervals": intervals, "route": args.route,
            "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds, "repeats": args.repeats,
-           "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
+           "device_ms": args.device_ms_of, "switch_interval": args.switch_interval or sys.getswitchinterval(),
            "tokens_per_s": {}}
     for c in args.concurrency.split(","):
         runs: dict[str, list[dict]] = {name: [] for name in trees}
@@ -229,7 +272,7 @@ def compare(args) -> None:
                         {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                     subprocess.run([sys.executable, __file__, "--concurrency", c, "--max-tokens", str(args.max_tokens),
                                     "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds),
-                                    "--repeats", "1", "--device-ms", str(args.device_ms),
+                                    "--repeats", "1", "--device-ms", str(args.device_ms_of[c]),
                                     "--switch-interval", str(args.switch_interval),
                                     "--stream-interval", str(interval), "--route", args.route, "--out", f.name],
                                    env=env, check=True, stdout=subprocess.DEVNULL)
@@ -251,8 +294,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
-    ap.add_argument("--device-ms", type=float, default=0.0,
-                    help="a device step's milliseconds, slept by the executor's thread (0: none, pure host work)")
+    ap.add_argument("--device-ms", default="0",
+                    help="a device step's milliseconds, slept by the executor's thread (0: none, pure host work); a "
+                         "list pairs with --concurrency (64,256 with 3.86,5.75: the H200's steps at those batches)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="the server process's sys.setswitchinterval seconds (0: Python's default, 5 ms)")
     ap.add_argument("--route", choices=["completions", "chat"], default="completions",
@@ -262,13 +306,22 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package: each concurrency is measured `repeats` times with it and "
                          "with this one, alternately, in child processes (medians of each)")
+    ap.add_argument("--engine-process", default="0",
+                    help="0: the engine on the server's thread; 1: in its own process behind the front; 0,1: both, "
+                         "alternately in each repeat")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the child: serve on this port
     ap.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    device_ms = [float(d) for d in args.device_ms.split(",")]
+    if len(device_ms) not in (1, len(args.concurrency.split(","))):
+        ap.error("--device-ms takes one value, or one per --concurrency")
+    args.device_ms_of = dict(zip(args.concurrency.split(","), device_ms * len(args.concurrency.split(","))
+                                 if len(device_ms) == 1 else device_ms))
+    args.device_ms = device_ms[0]
     if args.serve is not None:
         serve(args.serve, int(args.concurrency), args.max_model_len, args.device_ms, args.switch_interval,
-              int(args.stream_interval))
+              int(args.stream_interval), args.engine_process == "1")
         return
     if args.baseline is not None:
         compare(args)
@@ -277,28 +330,42 @@ def main() -> None:
 
     res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent), "cpus": os.cpu_count(),
            "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rounds": args.rounds,
-           "device_ms": args.device_ms, "switch_interval": args.switch_interval or sys.getswitchinterval(),
+           "device_ms": args.device_ms_of, "switch_interval": args.switch_interval or sys.getswitchinterval(),
            "stream_interval": int(args.stream_interval), "route": args.route, "repeats": args.repeats,
-           "tokens_per_s": {}}
+           "engine_process": args.engine_process, "load_before": os.getloadavg(), "tokens_per_s": {}}
+    servers = {"0": "server", "1": "server_engine_process"}
+    modes = [servers[mode] for mode in args.engine_process.split(",")]
     for c in map(int, args.concurrency.split(",")):
-        runs = {"engine_final_only": [], "engine_streamed": [], "server": []}
-        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all three alike
+        args.device_ms = args.device_ms_of[str(c)]
+        runs = {"engine_final_only": [], "engine_streamed": [], **{name: [] for name in modes}}
+        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits them all alike
             runs["engine_final_only"].append(engine_alone(c, args, views=False))
             runs["engine_streamed"].append(engine_alone(c, args, views=True))
-            runs["server"].append(asyncio.run(through_server(c, args)))
+            for name in modes:
+                runs[name].append(asyncio.run(through_server(c, args, name == "server_engine_process")))
         row = {}
         for name, values in runs.items():
             row[name] = statistics.median(v[0] for v in values)
             row[f"{name}_per_cpu_s"] = statistics.median(v[1] for v in values)
-        row["server_share_of_engine"] = row["server"] / row["engine_final_only"]
-        row["server_share_of_engine_cpu"] = row["server_per_cpu_s"] / row["engine_final_only_per_cpu_s"]
+            row[f"{name}_runs"] = [v[0] for v in values]
+        for name in modes:
+            share = "server_share_of_engine" + name.removeprefix("server")
+            row[share] = row[name] / row["engine_final_only"]
+            row[f"{share}_cpu"] = row[f"{name}_per_cpu_s"] / row["engine_final_only_per_cpu_s"]
+        if "server_engine_process" in modes:
+            row["server_engine_process_engine_cpu_s"] = statistics.median(
+                v[2] for v in runs["server_engine_process"])
         res["tokens_per_s"][str(c)] = row
-        print(f"concurrency {c:4d}: engine alone {row['engine_final_only']:7.0f} tok/s "
+        print(f"concurrency {c:4d}, device step {args.device_ms} ms: engine alone "
+              f"{row['engine_final_only']:7.0f} tok/s "
               f"({row['engine_final_only_per_cpu_s']:7.0f} per CPU s) with final outputs, "
-              f"{row['engine_streamed']:7.0f} ({row['engine_streamed_per_cpu_s']:7.0f}) streamed; server "
-              f"{row['server']:7.0f} tok/s ({row['server_per_cpu_s']:7.0f}) = "
-              f"{100 * row['server_share_of_engine']:5.1f}% of the engine "
-              f"({100 * row['server_share_of_engine_cpu']:5.1f}% per CPU second)", flush=True)
+              f"{row['engine_streamed']:7.0f} ({row['engine_streamed_per_cpu_s']:7.0f}) streamed", flush=True)
+        for name in modes:
+            share = "server_share_of_engine" + name.removeprefix("server")
+            print(f"    {name}: {row[name]:7.0f} tok/s ({row[f'{name}_per_cpu_s']:7.0f} per server CPU s) = "
+                  f"{100 * row[share]:5.1f}% of the engine ({100 * row[f'{share}_cpu']:5.1f}% per CPU second)",
+                  flush=True)
+    res["load_after"] = os.getloadavg()
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -60,19 +60,22 @@ class EngineParts:
 def resolve_config(model: Any = None, **options: Any) -> EngineConfig:
     """The engine's config from a model directory and options: the model defaults to `DEEPSERVE_MODEL` (or
     DeepInfer's `DEEPINFER_HF_MODEL_DIR`), else the embedded default model; `speculative_config` to
-    `DEEPSERVE_SPECULATIVE_CONFIG`, `batch_invariant` to `DEEPSERVE_BATCH_INVARIANT`."""
+    `DEEPSERVE_SPECULATIVE_CONFIG`, `batch_invariant` to `DEEPSERVE_BATCH_INVARIANT`, `engine_process` to
+    `DEEPSERVE_ENGINE_PROCESS`."""
     model = model if model is not None else default_model_dir()
     if model is None:
         raise ValueError("no model given: pass LLM(model=PATH) or set DEEPSERVE_MODEL (or DEEPINFER_HF_MODEL_DIR);"
                          " the embedded default model is not installed")
     if options.get("speculative_config") is None:
         options["speculative_config"] = env_value("DEEPSERVE_SPECULATIVE_CONFIG")
-    if options.get("batch_invariant") is None:
-        flag = env_value("DEEPSERVE_BATCH_INVARIANT")
+    for name in ("batch_invariant", "engine_process"):
+        flag = env_value(f"DEEPSERVE_{name.upper()}") if options.get(name) is None else None
         if flag is not None and flag.strip():
             if flag.strip() not in ("0", "1"):
-                raise ValueError(f"DEEPSERVE_BATCH_INVARIANT must be 0 or 1, got {flag!r}")
-            options["batch_invariant"] = flag.strip() == "1"
+                raise ValueError(f"DEEPSERVE_{name.upper()} must be 0 or 1, got {flag!r}")
+            options[name] = flag.strip() == "1"
+    if options.get("engine_process", False) is None:
+        del options["engine_process"]  # (None: not given)
     return EngineConfig.from_options(model, **options)
 
 
@@ -81,9 +84,11 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
 
     With `data_parallel_size` > 1 or `enable_expert_parallel` (and no `rank`), the engine is the data-parallel
     front (`deepserve.distributed.front.DataParallelEngine`): this starts the ranks and returns once they are
-    ready. A rank process calls it with its `rank` (`deepserve.distributed.launch.RankContext`) and, under
-    expert parallelism, the ranks' process `group`: then the model holds this rank's experts only and the runner
-    steps in lockstep with the other ranks (`deepserve.distributed.rank`)."""
+    ready. With `engine_process` alone it is that front over one engine in its own process
+    (`deepserve.distributed.engine_process`). A rank process calls it with its `rank`
+    (`deepserve.distributed.launch.RankContext`) and, under expert parallelism, the ranks' process `group`: then
+    the model holds this rank's experts only and the runner steps in lockstep with the other ranks
+    (`deepserve.distributed.rank`)."""
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import PagedKVCache, bytes_per_page
@@ -91,8 +96,11 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     from deepserve.model.registry import checkpoint_model_type
     from deepserve.model.runner import ModelRunner
     from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+    from deepserve.model.warm_up import wanted as warm_up_wanted
 
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(load_entrypoints=config.load_plugins)
+    if config.in_engine_process and rank is None:
+        return _build_engine_process(config, pm)
     model_type = checkpoint_model_type(config.model)
     if model_type == "deepseek_v41":
         if config.kv_cache_dtype != "auto":
@@ -150,6 +158,11 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
         proposer.capture_graphs(cache, max_num_seqs, batch_sizes=config.cuda_graph_sizes)
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
     runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs)
+    if placement is None and warm_up_wanted(config.warm_up, backend.device):  # (ranks in lockstep: not alone)
+        # every other step kind (prompt chunks by size, after a prefix, mixed, verify) compiled now, on scratch state
+        spec = config.speculative_config
+        runner.warm_up(kv_manager, config.max_num_batched_tokens, max_model_len,
+                       spec.num_speculative_tokens if spec else 0)
     executor = runner
     if placement is not None:
         executor = _lockstep(pm, config, runner, placement, group)
@@ -469,9 +482,7 @@ def _default_budget(backend: Backend, utilization: float) -> int:
 # -- scale-out: the front and the rank processes --------------------------------------------------------------
 def _build_front(config: EngineConfig, pm) -> EngineParts:
     """Start this machine's ranks and the front that drives them (see `build_engine`)."""
-    import zmq
-
-    from deepserve.distributed.front import DataParallelEngine, RemoteModel
+    from deepserve.distributed.front import DataParallelEngine, RemoteModel, bind_router
     from deepserve.distributed.launch import free_port, rank_contexts, start_ranks
     from deepserve.model.loader import read_config
     from deepserve.model.tokenizer import Tokenizer
@@ -484,13 +495,7 @@ def _build_front(config: EngineConfig, pm) -> EngineParts:
     if config.enable_expert_parallel:
         expert_placement(config, config.data_parallel_size)  # refuse an impossible placement before any start
     port = config.data_parallel_rpc_port or free_port(config.data_parallel_address)
-    socket = zmq.Context.instance().socket(zmq.ROUTER)
-    # no message may be dropped: unbounded queues (no high-water mark), and a send to a rank that is not
-    # connected raises instead of vanishing
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.bind(f"tcp://{config.data_parallel_address}:{port}")
+    socket = bind_router(f"tcp://{config.data_parallel_address}:{port}")
     processes = start_ranks(serve_rank, config, rank_contexts(config, port))
     grammars = None
     try:
@@ -518,16 +523,12 @@ def _build_front(config: EngineConfig, pm) -> EngineParts:
 def serve_rank(config: EngineConfig, context) -> None:
     """A rank process's body (`deepserve.distributed.launch.start_ranks` spawns it): join the group, build this
     rank's engine, tell the front it is ready, and run the rank loop until the front says stop."""
-    import dataclasses
-    import os
+    import functools
     import signal
 
     import torch
-    import zmq
 
-    from deepserve.distributed import messages
-    from deepserve.distributed.launch import init_process_group
-    from deepserve.distributed.rank import LockstepExecutor, RankLoop
+    from deepserve.distributed.rank import serve
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {context.rank} %(levelname)s %(message)s")
     # Ctrl-C (or a supervisor's SIGTERM) reaches the whole process group: the front drains and then stops the
@@ -536,33 +537,72 @@ def serve_rank(config: EngineConfig, context) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.device is None and context.dist_backend == "nccl":
         config = dataclasses.replace(config, device=f"cuda:{context.local_index}")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"rank-{context.rank}".encode())
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped; a front gone for the timeout fails the send
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDTIMEO, int(context.timeout * 1000))
-    sock.connect(context.front_endpoint)
-    group = None
     try:
-        try:
-            group = init_process_group(context) if config.enable_expert_parallel else None
-            parts = build_engine(config, rank=context, group=group)
-        except Exception as exc:  # the loop reports its own failures; these happen before it
-            sock.send(messages.to_front_encoder.encode(messages.RankFailed(context.rank,
-                                                                           f"{type(exc).__name__}: {exc}")))
-            raise
-        executor = parts.engine.executor
-        weights = sum(t.numel() * t.element_size() for t in parts.model.state_dict().values())
-        ready = messages.Ready(context.rank, parts.max_model_len, config.max_num_seqs, weights,
-                               messages.snapshot_to_wire(parts.engine.snapshot()))
-        RankLoop(context.rank, parts.engine, sock, group,
-                 executor if isinstance(executor, LockstepExecutor) else None, ready, parent_pid=os.getppid(),
-                 device=str(parts.backend.device)).run()
+        serve(context, functools.partial(_rank_engine, config, context))
     finally:
-        if group is not None and torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        sock.close()
+
+
+def _rank_engine(config: EngineConfig, context):
+    """A rank's engine (`deepserve.distributed.rank.RankEngine`): under expert parallelism it joins the ranks'
+    group first and steps in lockstep with them."""
+    from deepserve.distributed.launch import init_process_group
+    from deepserve.distributed.rank import LockstepExecutor, RankEngine
+
+    group = init_process_group(context) if config.enable_expert_parallel else None
+    parts = build_engine(config, rank=context, group=group)
+    executor = parts.engine.executor
+    return RankEngine(parts.engine, parts.max_model_len, config.max_num_seqs, _weight_bytes(parts.model),
+                      str(parts.backend.device), group, executor if isinstance(executor, LockstepExecutor) else None)
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _build_engine_process(config: EngineConfig, pm) -> EngineParts:
+    """The front over one engine in its own process (`engine_process`; see `build_engine`). The front keeps what
+    the caller reads of the model: its config, tokenizer and a grammar compiler that validates constrained
+    requests (the engine compiles them again, as a rank does)."""
+    import functools
+
+    from deepserve.distributed.engine_process import start_engine_process
+    from deepserve.distributed.front import RemoteModel
+    from deepserve.model.registry import checkpoint_model_type
+    from deepserve.model.tokenizer import Tokenizer
+
+    if checkpoint_model_type(config.model) == "deepseek_v41":
+        from deepserve.model.v41.config import V41Config
+
+        cfg = V41Config.from_dir(config.model)
+    else:
+        from deepserve.model.loader import read_config
+
+        cfg = read_config(config.model)
+    tokenizer = Tokenizer(config.model, cfg) if (Path(config.model) / "tokenizer.json").is_file() else None
+    grammars = _grammar_compiler(pm, config, RemoteModel(cfg), tokenizer)
+    try:
+        engine = start_engine_process(functools.partial(engine_process_engine, config), vocab_size=cfg.vocab_size,
+                                      grammars=grammars, timeout=config.data_parallel_timeout)
+    except BaseException:
+        if grammars is not None:
+            grammars.shutdown()
+        raise
+    logger.info("deepserve: %s in an engine process (pid %d)", config.model, engine.processes[0].pid)
+    stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))
+    return EngineParts(config, pm, None, RemoteModel(cfg), tokenizer, engine.max_model_len, None, None, None, None,
+                       None, None, engine, stores)
+
+
+def engine_process_engine(config: EngineConfig):
+    """The engine process's engine (`deepserve.distributed.rank.RankEngine`): `config`'s engine, built as in one
+    process (`build_engine` without `engine_process`)."""
+    from deepserve.distributed.rank import RankEngine
+
+    parts = build_engine(dataclasses.replace(config, engine_process=False))
+    weights = _weight_bytes(parts.model) if hasattr(parts.model, "state_dict") else 0
+    return RankEngine(parts.engine, parts.max_model_len, config.max_num_seqs, weights, str(parts.backend.device))
 
 
 def run_headless(config: EngineConfig) -> None:

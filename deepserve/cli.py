@@ -53,6 +53,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                          kv_cache_dtype=args.kv_cache_dtype)
     if args.cuda_graph_sizes is not None:
         engine_kwargs["cuda_graph_sizes"] = args.cuda_graph_sizes
+    if args.skip_warm_up:  # else the engine's default: warm up on every device but the CPU
+        engine_kwargs["warm_up"] = False
     if args.batch_invariant:  # else DEEPSERVE_BATCH_INVARIANT, else each backend's default
         engine_kwargs["batch_invariant"] = True
     if args.kv_cache_bytes is not None:
@@ -74,6 +76,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         engine_kwargs["enable_expert_parallel"] = True
     if args.enable_eplb:
         engine_kwargs["enable_eplb"] = True
+    if args.engine_process is not None:  # else DEEPSERVE_ENGINE_PROCESS, else in this process
+        engine_kwargs["engine_process"] = args.engine_process
     return engine_kwargs
 
 
@@ -139,6 +143,10 @@ def _add_scale_out_flags(serve: argparse.ArgumentParser) -> None:
                        help="refused above 1: V4's attention has one KV head; use --data-parallel-size")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                        help="engine ranks, one process each (attention data-parallel)")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine in a process of its own behind a front, so that the server's Python "
+                       "does not share its GIL (vLLM's multiprocessing engine core; default: "
+                       "$DEEPSERVE_ENGINE_PROCESS, else off)")
     group.add_argument("--enable-expert-parallel", action="store_true",
                        help="shard the routed experts over the ranks (the MoE expert-parallel)")
     group.add_argument("--data-parallel-size-local", type=int, default=None,
@@ -216,6 +224,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                        help="decode batch sizes captured as CUDA graphs at start-up (default 1 2 4 8 12 16 24 32 "
                        "48 ... up to --max-num-seqs); larger steps run without a graph")
+    serve.add_argument("--skip-warm-up", "--skip-server-warmup", dest="skip_warm_up", action="store_true",
+                       help="serve without first running every kind of step once (prompt chunks of each size, "
+                       "prefix, mixed and verify steps) to compile their kernels: a faster start, and the first "
+                       "requests of each shape then pay the compiles (SGLang's name is accepted too)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="outputs that do not depend on the batch (fixed reduction orders; slower on NVIDIA)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

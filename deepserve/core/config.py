@@ -408,6 +408,10 @@ class EngineConfig:
     - `speculative_config`: `SpeculativeConfig` or its dict / JSON. `enforce_eager`: no CUDA graphs.
       `cuda_graph_sizes`: the decode batch sizes captured as CUDA graphs, all at start-up (vLLM's name; default
       1, 2, 4, 8, 12, 16, 24, 32, 48, ... up to `max_num_seqs`); a step of more sequences runs without a graph.
+      `warm_up`: run every other kind of step once at start-up (prompt chunks of each size class up to
+      `max_num_batched_tokens`, chunks after a prefix, mixed and verify steps) on scratch state, so no request
+      compiles a kernel; None (the default) on every device but the CPU, False never (`deepserve serve
+      --skip-warm-up`), True always (on the CPU too: the tests).
       `load_plugins`: load third-party plugins from the `deepserve` entry points.
     - `batch_invariant`: True asks every backend for ops whose results do not depend on the batch (the CPU
       reference's exact ops; on NVIDIA its kernels with fixed tiles and reduction orders, the reference's exact ops
@@ -426,6 +430,11 @@ class EngineConfig:
       `eplb_window_size` steps, every `eplb_step_interval` steps (DeepInfer's prefill defaults, 100 / 1,000;
       `num_redundant_experts` a multiple of the ranks).
       `tensor_parallel_size` > 1 is refused: V4's attention has one KV head.
+    - `engine_process` (vLLM's multiprocessing engine core; docs/distributed.md): the one engine runs in a process
+      of its own behind the front that data parallelism uses (`deepserve.distributed.engine_process`), so the
+      caller's Python (the server's streams, JSON, socket writes) does not share the engine's GIL. Behind a
+      data-parallel front every engine already runs in its own process. `DEEPSERVE_ENGINE_PROCESS` sets it when
+      not given.
     - `engram_device` (DeepSeek-V4.1 checkpoints only; docs/v41.md): `cpu` keeps the Engram tables in host memory
       whatever device the model runs on (each step gathers its rows there and copies them over); None (the
       default) puts them with the model.
@@ -461,6 +470,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    warm_up: bool | None = None
     load_plugins: bool = True
     batch_invariant: bool | None = None
     tensor_parallel_size: int = 1
@@ -479,6 +489,7 @@ class EngineConfig:
     eplb_window_size: int = 100
     eplb_step_interval: int = 1000
     engram_device: str | None = None
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -507,6 +518,8 @@ class EngineConfig:
                     isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
             self.cuda_graph_sizes = tuple(sorted(set(sizes)))
+        if self.warm_up is not None and not isinstance(self.warm_up, bool):
+            raise ValueError(f"warm_up must be True, False or None, got {self.warm_up!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -570,6 +583,8 @@ class EngineConfig:
         if (start or local != self.data_parallel_size) and port is None:
             raise ValueError("ranks on several machines need data_parallel_rpc_port (and data_parallel_address): "
                              "every node must meet at the same address and port")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
         if not self.data_parallel_timeout > 0:
             raise ValueError(f"data_parallel_timeout must be positive seconds, got {self.data_parallel_timeout}")
         if isinstance(self.num_redundant_experts, bool) or not isinstance(self.num_redundant_experts, int) \
@@ -591,6 +606,11 @@ class EngineConfig:
     def local_data_parallel_size(self) -> int:
         """Ranks started on this machine."""
         return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def in_engine_process(self) -> bool:
+        """True when one engine runs in its own process behind the front (`engine_process` without scale-out)."""
+        return self.engine_process and not self.distributed
 
     @property
     def distributed(self) -> bool:

@@ -57,6 +57,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "it unless `TRITON_CACHE_DIR` is set). Default `$XDG_CACHE_HOME/deepserve` (`~/.cache/deepserve`).",
         ),
         EnvVar(
+            "DEEPSERVE_ENGINE_PROCESS",
+            None,
+            "`1`: the engine runs in a process of its own behind a front (vLLM's multiprocessing engine core), so "
+            "the server's Python does not share its GIL; `0`: in the caller's process (the default), when the "
+            "engine option `engine_process` / `--engine-process` is not given. docs/distributed.md.",
+        ),
+        EnvVar(
             "DEEPSERVE_MODEL",
             "DEEPINFER_HF_MODEL_DIR",
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",

@@ -12,6 +12,8 @@ rank sees it (vLLM's front validates the same way), and the front never waits on
 `step()` waits a little for the ranks' outputs and returns them. A rank that reports a failure, or whose
 process ends, makes `step()` raise `RankError` naming it, after every rank has been shut down (asked, then
 killed past `shutdown_timeout`), so a caller sees the error and no process is left behind.
+
+The same front drives one engine in its own process (`engine_process.py`: a world of one rank).
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ logger = logging.getLogger(__name__)
 
 #: seconds `step()` waits for outputs while requests are unfinished
 STEP_POLL_SECONDS = 0.05
+
+
+def bind_router(endpoint: str) -> zmq.Socket:
+    """The front's ROUTER, bound at `endpoint` (`tcp://host:port`, or `ipc://path` on one machine). No message may
+    be dropped: unbounded queues (no high-water mark), and a send to a rank that is not connected raises instead
+    of vanishing."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.bind(endpoint)
+    return socket
 
 
 class RankError(RuntimeError):
@@ -85,6 +99,7 @@ class DataParallelEngine:
         self._assigned = [0] * world_size
         self._assigned_tokens = [0] * world_size
         self._identity: dict[int, bytes] = {}
+        self._outputs = m.OutputAccumulator()  # each unfinished request's prompt and outputs so far
         self._closed = False
         ready = self._wait_ready(start_timeout)
         self.max_model_len = min(r.max_model_len for r in ready)
@@ -100,7 +115,8 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None, final_only: bool = False,
                     views: bool = False) -> None:
-        """As `EngineCore.add_request`; `views` is ignored (outputs arrive as copies)."""
+        """As `EngineCore.add_request` (`views`: unfinished outputs hold `Prefix` views of the tokens and logprobs
+        the front keeps, else copies)."""
         ids = list(prompt_token_ids)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -122,6 +138,7 @@ class DataParallelEngine:
             raise RuntimeError(f"the router {type(self.router).__name__} chose rank {rank!r} of {self.world_size}")
         tokens = len(ids) + (params.max_tokens or 0)
         self._send(rank, m.AddRequest(request_id, ids, m.params_to_wire(params), prompt, cache_salt, final_only))
+        self._outputs.add(request_id, prompt, ids, views)
         self._owner[request_id], self._tokens[request_id] = rank, tokens
         self._assigned[rank] += 1
         self._assigned_tokens[rank] += tokens
@@ -156,8 +173,9 @@ class DataParallelEngine:
                 self.num_slots_moved[msg.rank] = msg.num_slots_moved
                 if msg.imbalance is not None:
                     self.expert_imbalance = msg.imbalance
+                from_wire = self._outputs.from_wire
                 for wire in msg.outputs:
-                    out = m.output_from_wire(wire)
+                    out = from_wire(wire)
                     if out.finished and out.request_id in self._owner:
                         self._release(out.request_id)
                     outputs.append(out)
@@ -243,7 +261,7 @@ class DataParallelEngine:
     def _check_processes(self) -> None:
         for proc in self.processes:
             if proc.exitcode is not None and not self._closed:
-                self._fail(f"rank process {proc.name} ended (exit code {proc.exitcode})")
+                self._fail(f"process {proc.name} (pid {proc.pid}) ended with exit code {proc.exitcode}")
 
     def _fail(self, why: str):
         logger.error("data-parallel front: %s; shutting every rank down", why)

@@ -15,6 +15,11 @@ Each iteration under expert parallelism:
 Without expert parallelism the ranks share nothing, and each loop just serves its own engine.
 The engine runs synchronously here (`async_scheduling` off): a step's forward, and so its exchanges, are over
 when `step()` returns, so that no two threads ever issue collectives.
+
+`serve(context, make_engine)` is a rank process's body after its start-up: it connects to the front, builds the
+engine with `make_engine` (a `RankEngine` factory called in this process: `deepserve.build` builds one from a
+model directory; a benchmark passes its own) and runs the loop. The one-engine process (`engine_process.py`)
+runs the same body.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,7 @@ import zmq
 from deepserve.core.interfaces import ModelExecutor, StepInput, StepOutput
 
 from . import messages as m
+from .launch import RankContext
 from .transport import ExpertTransport
 
 logger = logging.getLogger(__name__)
@@ -62,6 +71,54 @@ class LockstepExecutor(ModelExecutor):
         return getattr(self.inner, name)
 
 
+@dataclass(frozen=True, slots=True)
+class RankEngine:
+    """What a rank's engine factory returns: the engine the loop steps (an `EngineCore`, or anything that answers
+    its calls), what the front is told of it (`Ready`), and, under expert parallelism, the ranks' process
+    `group` and the `lockstep` runner inside the engine (None otherwise). `device`: where the group's tensors
+    live."""
+
+    engine: Any
+    max_model_len: int
+    max_num_seqs: int
+    weight_bytes: int = 0
+    device: str = "cpu"
+    group: Any = None
+    lockstep: LockstepExecutor | None = None
+
+
+def connect_to_front(context: RankContext) -> zmq.Socket:
+    """A DEALER connected to the front's ROUTER, named after the rank. No output is ever dropped (no high-water
+    mark); a send that cannot go out for the rank's timeout fails (the front is taken for gone)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank-{context.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(context.timeout * 1000))
+    sock.connect(context.front_endpoint)
+    return sock
+
+
+def serve(context: RankContext, make_engine: Callable[[], RankEngine]) -> None:
+    """Connect to the front, build this process's engine (`make_engine()`), tell the front it is ready and run
+    the rank loop until the front says stop (or the process that started this one is gone). A factory that
+    raises is told to the front (`RankFailed`) before the error propagates."""
+    sock = connect_to_front(context)
+    try:
+        try:
+            built = make_engine()
+        except Exception as exc:  # the loop reports its own failures; these happen before it
+            sock.send(m.to_front_encoder.encode(m.RankFailed(context.rank, f"{type(exc).__name__}: {exc}")))
+            raise
+        ready = m.Ready(context.rank, built.max_model_len, built.max_num_seqs, built.weight_bytes,
+                        m.snapshot_to_wire(built.engine.snapshot()))
+        RankLoop(context.rank, built.engine, sock, built.group, built.lockstep, ready, parent_pid=os.getppid(),
+                 device=built.device).run()
+    finally:
+        sock.close()
+
+
 class RankLoop:
     """`engine`: this rank's `EngineCore`; `socket`: a ZMQ DEALER connected to the front; `group`: the
     ranks' process group and `lockstep` the wrapped runner, both None without expert parallelism."""
@@ -74,6 +131,7 @@ class RankLoop:
         self.rank, self.engine, self.socket, self.group, self.lockstep = rank, engine, socket, group, lockstep
         self.ready, self.parent_pid, self.device = ready, parent_pid, device
         self.stop_requested = False
+        self.deltas = m.OutputDeltas()
 
     def run(self) -> None:
         try:
@@ -132,8 +190,10 @@ class RankLoop:
             msg = m.to_rank_decoder.decode(self.socket.recv())
             if isinstance(msg, m.AddRequest):
                 try:
+                    # views: each step's outputs become their changes (`OutputDeltas`) before the next step
                     self.engine.add_request(msg.request_id, msg.prompt_token_ids, m.params_from_wire(msg.params),
-                                            prompt=msg.prompt, cache_salt=msg.cache_salt, final_only=msg.final_only)
+                                            prompt=msg.prompt, cache_salt=msg.cache_salt, final_only=msg.final_only,
+                                            views=True)
                 except ValueError as exc:  # the front validated what it could; the rest ends the request here
                     logger.warning("rank %d refused request %s: %s", self.rank, msg.request_id, exc)
                     outputs.append(_refused(msg, str(exc)))
@@ -145,8 +205,9 @@ class RankLoop:
 
     def _send_outputs(self, outputs: list) -> None:
         balancer = self.lockstep.balancer if self.lockstep is not None else None
-        self._send(m.StepOutputs(self.rank, [o if isinstance(o, m.WireOutput) else m.output_to_wire(o)
-                                             for o in outputs], m.snapshot_to_wire(self.engine.snapshot()),
+        to_wire = self.deltas.to_wire
+        self._send(m.StepOutputs(self.rank, [o if isinstance(o, m.WireOutput) else to_wire(o) for o in outputs],
+                                 m.snapshot_to_wire(self.engine.snapshot()),
                                  balancer.num_moves if balancer is not None else 0,
                                  balancer.balancer.latest_imbalance() if balancer is not None else None,
                                  balancer.num_slots_moved if balancer is not None else 0))
@@ -161,6 +222,5 @@ class RankLoop:
 
 
 def _refused(msg: m.AddRequest, why: str) -> m.WireOutput:
-    return m.WireOutput(msg.request_id, msg.prompt, msg.prompt_token_ids, None,
-                        [m.WireCompletion(0, "", [], None, None, "abort", why)], True, 0,
+    return m.WireOutput(msg.request_id, None, [m.WireCompletion(0, 0, "", 0, [], None, 0, None, "abort", why)], True, 0,
                         m.WireMetrics(time.time(), None, None, None, time.time()), 0, 0, 0)

@@ -63,6 +63,7 @@ class ModelRunner(ModelExecutor):
         self.graphs = graphs
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
+        self.warm_up_report = None  # what `warm_up` ran (`warm_up.WarmUpReport`), once it has
 
     @property
     def proposer(self) -> Proposer | None:
@@ -113,6 +114,23 @@ class ModelRunner(ModelExecutor):
         from .swa_replay import replay_snapshot
 
         return replay_snapshot(self.cache, table, boundary, token_ids, length)
+
+    def warm_up(self, kv_manager, max_step_tokens: int, max_model_len: int, num_speculative_tokens: int = 0,
+                progress: bool = True):
+        """Run every kind of step the engine will meet (prompt chunks of each length class up to
+        `max_step_tokens`, a chunk after a prefix and after a prefix hit, a mixed step, decode steps of the batch
+        sizes no graph takes; with a proposer, verify steps of `num_speculative_tokens` drafts) once on scratch
+        sequences whose pages come from `kv_manager` (`warm_up.py`), so that their kernels compile now and not in
+        a request. The engine calls this at start-up, before it serves; every page and slot is free again after
+        it. Returns a `warm_up.WarmUpReport`."""
+        from .warm_up import run_warm_up
+
+        try:
+            self.warm_up_report = run_warm_up(self, kv_manager, max_step_tokens, max_model_len,
+                                              num_speculative_tokens, progress)
+            return self.warm_up_report
+        finally:
+            self._prev = None  # the scratch steps' samples: no request's placeholder may read them
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

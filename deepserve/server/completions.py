@@ -166,7 +166,12 @@ async def handle_completions(request: web.Request, body: dict[str, Any], ticket:
                     await sse.write(sse_message(before + delta + after))
     except ApiError as error:
         _finish_timers(choices, failure_reason(error))
-        raise
+        if sse is None:
+            raise
+        # the engine died mid-stream (a 503): the stream ends with the error event, as the chat routes' do
+        await sse.write(sse_message(json.dumps(error_body(request.path, error.status, error.message, error.param,
+                                                          error.code))))
+        return sse
     finally:
         for choice in choices:  # unless it ended normally, the client left ("abort")
             final = choice.final
