@@ -13,15 +13,14 @@ result. The bounds are the GPU tests' own (fp32 attention, which has none there:
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreted import child_main, run_child
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (scripts/bootstrap.sh installs it for its interpreter)",
@@ -153,13 +152,7 @@ def run_cases() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    if torch.cuda.is_available():
-        pytest.skip("with a GPU these run as tests/gpu/test_kernels.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, timeout=600, gpu_twin="tests/gpu/test_kernels.py")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -168,8 +161,4 @@ def test_kernel_against_reference(interpreted, case):
 
 
 if __name__ == "__main__":
-    from deepserve.backends.nvidia.interpreted import support_kernels
-
-    torch.set_num_threads(1)
-    support_kernels()
-    print(json.dumps(run_cases()))
+    child_main(run_cases)

@@ -13,16 +13,15 @@ multiply the same key values."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from interpreted import child_main, run_child
 
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.model.kv_precision import KVPrecision, hadamard
@@ -277,11 +276,7 @@ def interpreted(tmp_path_factory) -> dict[str, str]:
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
     checkpoint = build_demo_checkpoint(tmp_path_factory.mktemp("demo"))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__)), str(checkpoint)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, checkpoint, timeout=600, gpu_twin="tests/gpu/test_kv_fp8_kernels.py")
 
 
 @pytest.mark.parametrize("case", [*CASES, "backend-ops-fp32", "backend-ops-bf16", "backend-ops-invariant",
@@ -291,8 +286,4 @@ def test_packed_reads_against_decoded_rows(interpreted, case):
 
 
 if __name__ == "__main__":
-    from deepserve.backends.nvidia.interpreted import support_kernels
-
-    torch.set_num_threads(1)
-    support_kernels()  # numpy >= 2.4 and the libdevice math under the interpreter
-    print(json.dumps(run_cases(sys.argv[1])))
+    child_main(run_cases, sys.argv[1])

@@ -20,15 +20,14 @@ the kernels run for real: tests/gpu/).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreted import child_main, run_child
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (scripts/bootstrap.sh installs it for its interpreter)",
@@ -133,13 +132,8 @@ def run_cases() -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    if torch.cuda.is_available():
-        pytest.skip("with a GPU the kernels run for real (tests/gpu/)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__)), str(tmp_path_factory.mktemp("interp"))], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, tmp_path_factory.mktemp("interp"), timeout=900,
+                     gpu_twin="tests/gpu/test_batch_invariant_gpu.py")
 
 
 def test_no_kernel_reads_a_row_the_request_did_not_write(interpreted):
@@ -165,8 +159,4 @@ def test_the_default_mode_is_not_batch_invariant_here(interpreted):
 
 
 if __name__ == "__main__":
-    from deepserve.backends.nvidia.interpreted import support_kernels
-
-    torch.set_num_threads(1)
-    support_kernels()
-    print(json.dumps(run_cases()))
+    child_main(run_cases)

@@ -14,16 +14,14 @@ does not, so here the check is of the scales, the layout and the products, and t
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from interpreted import child_main, run_child
 
 from deepserve.backends.reference import ReferenceBackend
 from deepserve.model import quant
@@ -145,13 +143,7 @@ def run_cases() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    if torch.cuda.is_available():
-        pytest.skip("with a GPU these run as tests/gpu/test_quant_kernels.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, timeout=300, gpu_twin="tests/gpu/test_quant_kernels.py")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -160,8 +152,4 @@ def test_kernel_against_dequantized_reference(interpreted, case):
 
 
 if __name__ == "__main__":
-    from deepserve.backends.nvidia.interpreted import support_kernels
-
-    torch.set_num_threads(1)
-    support_kernels()  # numpy >= 2.4 and the libdevice math under the interpreter
-    print(json.dumps(run_cases()))
+    child_main(run_cases)

@@ -32,19 +32,8 @@ def _sparse_mqa_kernel(
 ):
     """ROPE: the output's last 2 * half dims turned back by the query's position (`rotate_pairs`) before the
     store (here with one part, else in `_merge_kernel`)."""
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    dims = tl.arange(0, D)
-    head_ok = heads < H
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
-    # logits are kept in log2 units: exp2 is the fast path
-    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    m = tl.where(split == 0, sink, float("-inf"))  # the sink joins the first part's softmax only
-    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, K)
+    t, split, heads, head_ok, dims, q, m, denom, acc, lo, hi = start_part(q_ptr, sink_ptr, H, K, per_split, stride_qt,
+                                                                           stride_qh, D, BLOCK_H)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
@@ -53,6 +42,25 @@ def _sparse_mqa_kernel(
         m, denom, acc = online_block(q, keys, ok, m, denom, acc, scale_log2, PRECISION)
     finish_part(acc, m, denom, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr, t, split, heads, head_ok, dims, H,
                 half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
+
+
+@triton.jit
+def start_part(q_ptr, sink_ptr, H, K, per_split, stride_qt, stride_qh, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's query t, part `split` and block of heads; the query's rows of them, and the part's softmax
+    started (logits in log2 units: exp2 is the fast path; the sink joins the first part's softmax only) over its
+    range [lo, hi) of the index list."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    dims = tl.arange(0, D)
+    head_ok = heads < H
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))
+    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    lo = split * per_split
+    return t, split, heads, head_ok, dims, q, m, denom, acc, lo, tl.minimum(lo + per_split, K)
 
 
 @triton.jit

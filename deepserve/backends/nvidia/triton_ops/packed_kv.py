@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _merge_kernel, finish_part, online_block, tile_choice
+from .attention import LOG2E, _merge_kernel, finish_part, online_block, start_part, tile_choice
 from .common import dot_precision
 from .fp4_moe import _e2m1
 from .indexer import _top_columns
@@ -57,18 +57,8 @@ def _sparse_mqa_packed_kernel(
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
 ):
     """`attention._sparse_mqa_kernel` with each block of keys read from packed rows (`_fp8_rows`)."""
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    dims = tl.arange(0, D)
-    head_ok = heads < H
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
-    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    m = tl.where(split == 0, sink, float("-inf"))  # the sink joins the first part's softmax only
-    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, K)
+    t, split, heads, head_ok, dims, q, m, denom, acc, lo, hi = start_part(q_ptr, sink_ptr, H, K, per_split, stride_qt,
+                                                                           stride_qh, D, BLOCK_H)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
