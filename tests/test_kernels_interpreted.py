@@ -75,8 +75,8 @@ CASES = {
     "moe-small-1": ("check_moe_small", dict(T=1, D=64, I=32, E=8, top_k=3), below(BF16_TOL)),
     "moe-small-4": ("check_moe_small", dict(T=4, D=64, I=32, E=8, top_k=3), below(BF16_TOL)),
     "moe-deep-gemm-layout": ("check_moe_deep_gemm", dict(T=40, D=64, I=32, E=4, top_k=2), below(BF16_TOL)),
-    "route": ("check_route", dict(T=20, E=32, top_k=6, hashed=False), below(1e-6)),
-    "route-hashed": ("check_route", dict(T=20, E=32, top_k=6, hashed=True), below(1e-6)),
+    "route": ("check_route", dict(T=20, E=32, top_k=6, hashed=False), below(2e-6)),  # numpy's fp32 math: a few ulps
+    "route-hashed": ("check_route", dict(T=20, E=32, top_k=6, hashed=True), below(2e-6)),
     "route-hidden": ("check_route_hidden", dict(T=4, D=256, E=32, top_k=6, hashed=False), below(1e-5)),
     "route-hidden-hashed": ("check_route_hidden", dict(T=3, D=256, E=32, top_k=6, hashed=True), below(1e-5)),
     # gemv: K = 1024 split 2 ways by default (and 3 given), K = 200 whole; grouped

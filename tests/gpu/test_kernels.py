@@ -680,7 +680,7 @@ def check_route(device, T, E, top_k, hashed, seed=0) -> float:
     logits = torch.randn((T, E), generator=g, device=device) * 3
     logits[0, :4] = 30.0  # softplus's linear branch
     bias = torch.randn(E, generator=g, device=device) * 0.1
-    hash_ids = torch.stack([torch.randperm(E, device=device)[:top_k] for _ in range(T)]) if hashed else None
+    hash_ids = torch.stack([torch.randperm(E, generator=g, device=device)[:top_k] for _ in range(T)]) if hashed else None
     ids, weights = route(logits, None if hashed else bias, hash_ids, top_k, 2.5)
     scores = ReferenceBackend(device).router_scores(logits)
     expect = hash_ids if hashed else torch.topk(scores + bias, top_k, dim=-1).indices
@@ -703,7 +703,7 @@ def check_route_hidden(device, T, D, E, top_k, hashed, seed=0, dtype=torch.bfloa
     g = gen(device, seed)
     x, w = randn((T, D), g, device, dtype), randn((E, D), g, device, dtype, std=D**-0.5)
     bias = torch.randn(E, generator=g, device=device) * 0.1
-    table = torch.stack([torch.randperm(E, device=device)[:top_k] for _ in range(50)]) if hashed else None
+    table = torch.stack([torch.randperm(E, generator=g, device=device)[:top_k] for _ in range(50)]) if hashed else None
     tokens = torch.randint(0, 50, (T,), generator=g, device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     for _ in range(2):
