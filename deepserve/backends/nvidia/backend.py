@@ -36,10 +36,6 @@ def triton_available() -> bool:
         return False
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """RMS-normed flattened streams through `fn` in fp32; the norm is a per-row scalar, applied after the GEMM."""
     flat = streams.flatten(1).float()
@@ -87,8 +83,7 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
             super().__init__(device="cpu")
             self.device_name, self.compute_capability = "triton interpreter", (9, 0)
         else:
-            self._check_cuda(device, dev)
-            index = torch.cuda.current_device() if dev.index is None else dev.index
+            index = self._cuda_index(device, dev)
             super().__init__(device=f"cuda:{index}")
             self.device_name: str = torch.cuda.get_device_name(index)
             self.compute_capability: tuple[int, int] = torch.cuda.get_device_capability(index)
@@ -125,7 +120,8 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
                 self._arrivals = torch.zeros(4096, dtype=torch.int32, device=self.device)
 
     @staticmethod
-    def _check_cuda(device: str, dev: torch.device) -> None:
+    def _cuda_index(device: str, dev: torch.device) -> int:
+        """The CUDA device index `device` names; BackendUnavailable where there is none."""
         if not torch.cuda.is_available():
             raise BackendUnavailable(
                 "the nvidia backend needs a CUDA GPU, but torch.cuda.is_available() is False here "
@@ -141,6 +137,7 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
             raise BackendUnavailable(
                 f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)"
             )
+        return index
 
     def _here(self, x: torch.Tensor) -> bool:
         """Whether the kernels take `x`: a tensor on the device they run on (CUDA, or the CPU when interpreted)."""
@@ -359,13 +356,8 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
 
     # -- attention -----------------------------------------------------------------------------------------------
     def _attention_tiles(self, q) -> dict | None:
-        """The batch-invariant mode's tiles: from the head count and width only, one part per query (each query's
-        keys in one online softmax, in list order, whatever the step's size); else None (chosen per step)."""
-        if not self.invariant:
-            return None
-        H, d = q.shape[1], q.shape[2]
-        return {"block_h": max(16, min(32 if d >= 256 else 64, triton_next_pow2(H))), "block_n": 64 if d <= 512 else 32,
-                "num_warps": 8 if d >= 256 else 4, "num_stages": 2, "splits": 1}
+        """The batch-invariant mode's fixed tiles (`attention.invariant_tiles`); else None (chosen per step)."""
+        return self.kernels.attention.invariant_tiles(q.shape[1], q.shape[2]) if self.invariant else None
 
     def sparse_attention(self, q, kv, indices, sinks, scale):
         d = q.shape[-1]

@@ -154,6 +154,31 @@ def tile_choice(T: int, H: int, d: int, K: int, itemsize: int, tiles: dict | Non
     return dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
 
 
+def invariant_tiles(H: int, d: int) -> dict:
+    """The batch-invariant mode's tiles (`NvidiaBackend(invariant=True)`): from the head count and width only, one
+    part per query (each query's keys in one online softmax, in list order, whatever the step's size)."""
+    return {"block_h": max(16, min(32 if d >= 256 else 64, triton.next_power_of_2(H))),
+            "block_n": 64 if d <= 512 else 32, "num_warps": 8 if d >= 256 else 4, "num_stages": 2, "splits": 1}
+
+
+def launch_buffers(q, indices, sinks, out, rope, splits: int):
+    """(positions, inv_freq, rotary pairs, part sums, part stats) for a sparse MQA launch: `rope`'s tensors (the
+    index list and sinks stand in, unread, without it) and the parts' fp32 buffers where the list is split (`out`
+    stands in for one part)."""
+    T, H, d = q.shape
+    positions, freq = rope if rope is not None else (indices, sinks)
+    if rope is not None:
+        freq = freq.float().contiguous()
+        if 2 * freq.shape[0] > d:
+            raise ValueError(f"{freq.shape[0]} rotary pairs do not fit head_dim {d}")
+    half = freq.shape[0] if rope is not None else 0
+    part = stat = out
+    if splits > 1:
+        part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
+        stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+    return positions, freq, half, part, stat
+
+
 def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
                out: torch.Tensor | None = None, tiles: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q [T, H, d], kv [N, d] (same dtype), indices [T, K] (entries < 0 ignored), sinks [H] -> [T, H, d].
@@ -174,16 +199,7 @@ def sparse_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: 
     t = tile_choice(T, H, d, K, q.element_size(), tiles)
     block_h, block_n, warps, stages, splits = t["block_h"], t["block_n"], t["num_warps"], t["num_stages"], t["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
-    positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
-    if rope is not None:
-        freq = freq.float().contiguous()
-        if 2 * freq.shape[0] > d:
-            raise ValueError(f"{freq.shape[0]} rotary pairs do not fit head_dim {d}")
-    half = freq.shape[0] if rope is not None else 0
-    part = stat = out
-    if splits > 1:
-        part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
-        stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+    positions, freq, half, part, stat = launch_buffers(q, indices, sinks, out, rope, splits)
     _sparse_mqa_kernel[(T, triton.cdiv(H, block_h), splits)](
         q, kv, indices, sinks.float().contiguous(), out, part, stat, positions, freq, K, H, scale * LOG2E, per_split,
         half, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _merge_kernel, finish_part, online_block, start_part, tile_choice
+from .attention import LOG2E, _merge_kernel, finish_part, launch_buffers, online_block, start_part, tile_choice
 from .common import dot_precision
 from .fp4_moe import _e2m1
 from .indexer import _top_columns
@@ -90,16 +90,7 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
     tiles = tile_choice(T, H, d, K, q.element_size(), tiles)
     block_h, block_n, splits = tiles["block_h"], tiles["block_n"], tiles["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
-    positions, freq = rope if rope is not None else (indices, sinks)  # (unread without rope)
-    if rope is not None:
-        freq = freq.float().contiguous()
-        if 2 * freq.shape[0] > d:
-            raise ValueError(f"{freq.shape[0]} rotary pairs do not fit head_dim {d}")
-    half = freq.shape[0] if rope is not None else 0
-    part = stat = out
-    if splits > 1:
-        part = torch.empty((T, splits, H, d), dtype=torch.float32, device=q.device)
-        stat = torch.empty((T, splits, H, 2), dtype=torch.float32, device=q.device)
+    positions, freq, half, part, stat = launch_buffers(q, indices, sinks, out, rope, splits)
     width = storage.shape[-1]
     _sparse_mqa_packed_kernel[(T, triton.cdiv(H, block_h), splits)](
         q, storage.view(torch.float8_e4m3fn), storage, storage.view(torch.bfloat16), indices,
