@@ -4,6 +4,7 @@ default."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -147,3 +148,19 @@ def test_the_option_and_its_default():
     for flag in ("--skip-warm-up", "--skip-server-warmup"):
         assert engine_options(build_parser().parse_args(["serve", flag]))["warm_up"] is False
     assert "warm_up" not in engine_options(build_parser().parse_args(["serve"]))
+
+
+def test_compiled_kernels_persist_under_the_cache_directory(tmp_path, monkeypatch):
+    """A restart compiles nothing: Triton's and DeepGEMM's JIT caches go under DEEPSERVE_CACHE_DIR, unless the user
+    named their own."""
+    from deepserve.backends.nvidia.backend import persist_compiled_kernels
+
+    monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", "/users/own/dg")
+    persist_compiled_kernels()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert os.environ["DG_JIT_CACHE_DIR"] == "/users/own/dg"
+    monkeypatch.delenv("DG_JIT_CACHE_DIR")
+    persist_compiled_kernels()
+    assert os.environ["DG_JIT_CACHE_DIR"] == str(tmp_path / "deep_gemm")

@@ -54,7 +54,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "DEEPSERVE_CACHE_DIR",
             None,
             "Where deepserve keeps what a restart reuses: compiled kernels (Triton's cache goes to `triton/` under "
-            "it unless `TRITON_CACHE_DIR` is set). Default `$XDG_CACHE_HOME/deepserve` (`~/.cache/deepserve`).",
+            "it unless `TRITON_CACHE_DIR` is set, DeepGEMM's JIT cache to `deep_gemm/` unless `DG_JIT_CACHE_DIR` "
+            "is). Default `$XDG_CACHE_HOME/deepserve` (`~/.cache/deepserve`).",
         ),
         EnvVar(
             "DEEPSERVE_ENGINE_PROCESS",

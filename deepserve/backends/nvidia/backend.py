@@ -51,6 +51,13 @@ def _mm_out_fp32_works(device: str) -> bool:
         return False
 
 
+def persist_compiled_kernels() -> None:
+    """Compiled kernels (Triton's cache, DeepGEMM's JIT cache) kept under deepserve's cache directory, so that a
+    restart compiles nothing; set before either compiles, and only where the user has not named their own."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
+    os.environ.setdefault("DG_JIT_CACHE_DIR", str(cache_dir() / "deep_gemm"))
+
+
 class NvidiaBackend(PackedKVOps, ReferenceBackend):
     """Backend for NVIDIA GPUs (Hopper H100/H200 and Blackwell).
 
@@ -93,6 +100,8 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         self._mixed_head = fast and _mm_out_fp32_works(self.device)
         self.kernels = None
         on_gpu = self._kernel_device == "cuda"  # `vendor.py`: DeepGEMM, None unless it loads
+        if fast:
+            persist_compiled_kernels()
         self.deep_gemm = vendor.load_deep_gemm(torch.device(self.device).index) \
             if fast and on_gpu and not self.invariant else None
         self.deep_gemm_fp8 = vendor.Fp8Gemm(self.deep_gemm) if self.deep_gemm is not None else None
@@ -100,8 +109,6 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         # `gemv`): zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
         if fast and triton_available():
-            # compiled kernels persist under deepserve's cache directory, so a restart compiles nothing
-            os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
             try:  # at start-up, not mid-forward: a broken triton install leaves cuBLAS + the reference ops
                 from .triton_ops import attention, decode, elementwise, fp4_moe, fp8_linear, gemv, indexer, mhc, moe
                 from .triton_ops import invariant as invariant_ops
