@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,12 +82,15 @@ async def test_streams_aborts_metrics_and_shutdown_across_ranks(aiohttp_client):
             assert [metric(metrics, vllm, model_name="tiny", engine=str(r)) for r in range(2)] == per_rank
     assert sum(s.num_generation_tokens for s in stats.snapshots) >= 16
     assert min(s.num_generation_tokens for s in stats.snapshots) > 0  # the one beside the long one: rank 1
-    # EPLB: reassignments every 3 steps moved slots; its latest imbalance per MoE site (7 sites) is at least 1
+    # EPLB: reassignments every 3 steps moved slots; its latest imbalance per MoE site (every layer's and the MTP
+    # block's) is at least 1
     rebalances = metric(metrics, "deepserve_eplb_rebalances_total")
     assert rebalances == stats.num_rebalances >= 2
     moved = [metric(metrics, "deepserve_rank_eplb_slots_moved_total", rank=str(r)) for r in range(2)]
     assert metric(metrics, "deepserve_eplb_slots_moved_total") == sum(moved) == sum(stats.num_slots_moved) > 0
-    imbalance = [metric(metrics, "deepserve_eplb_imbalance", layer=str(site)) for site in range(7)]
+    config = json.loads((Path(MODEL) / "config.json").read_text())
+    sites = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
+    imbalance = [metric(metrics, "deepserve_eplb_imbalance", layer=str(site)) for site in range(sites)]
     assert all(x >= 1.0 for x in imbalance) and list(stats.expert_imbalance) == imbalance
     assert metric(metrics, "deepserve_eplb_imbalance_max") == max(imbalance)
     assert 0 < metric(metrics, "deepserve_eplb_balancedness") <= 1.0

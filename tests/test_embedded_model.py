@@ -18,13 +18,14 @@ from deepserve.model.tokenizer import Tokenizer
 from deepserve.tools.train_eval import completion_accuracy, mtp_acceptance
 
 MODEL_DIR = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
-# Measured when the model was trained (its README.md): on the 32 held-out prompts of heldout.json, the greedy
-# prediction of each of the 16 continuation tokens given the real text before it is right NEXT_TOKEN_MEASURED of
-# the time, free-running greedy completion matches the real continuation position by position FREE_RUN_MEASURED
-# of the time, and always predicting the most frequent token (the unigram baseline) UNIGRAM_MEASURED.
-NEXT_TOKEN_MEASURED, FREE_RUN_MEASURED, UNIGRAM_MEASURED = 160 / 512, 32 / 512, 14 / 512
-NEXT_TOKEN_FLOOR = 0.28  # the measurements minus slack for float differences across machines: still 10x and
-FREE_RUN_FLOOR = 0.05  # about 2x the unigram baseline
+#: the shipped weights' budget (issue 24: ~10M parameters in bf16, the repository copied to a GPU machine each run)
+WEIGHT_BUDGET = 20 * 10**6
+#: heldout.json records what was measured when the model was trained (its README.md): on its held-out prompts, the
+#: greedy prediction of each continuation token given the real text before it is right `next_token_accuracy` of the
+#: time, free-running greedy completion matches the real continuation position by position `model_accuracy` of the
+#: time, always predicting the most frequent token (the unigram baseline) `unigram_accuracy`. The checks allow
+#: these slacks for float differences across machines, and ask for several times the baseline.
+NEXT_TOKEN_SLACK, FREE_RUN_SLACK = 0.03, 0.015
 
 torch.set_num_threads(1)
 
@@ -46,8 +47,13 @@ def tokenizer(model) -> Tokenizer:
 
 def test_checkpoint_is_complete_and_small():
     names = {p.name for p in MODEL_DIR.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= names
-    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 40 * 2**20
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "confidence_head.safetensors", "heldout.json", "heldout_sets.json"} <= names
+    index = json.loads((MODEL_DIR / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert shards <= names, shards - names
+    sizes = [(MODEL_DIR / s).stat().st_size for s in shards]
+    assert max(sizes) < 16 * 10**6 and sum(sizes) <= WEIGHT_BUDGET, sizes  # (a device call brings back < 16 MB a file)
 
 
 def test_model_has_every_v4_mechanism(model):
@@ -75,9 +81,10 @@ def test_deepserve_and_transformers_agree_on_heldout_text(model, tokenizer, held
 def test_greedy_completion_beats_unigram_baseline(model, heldout):
     pairs = [(c["prompt"], c["reference"]) for c in heldout["completion"]]
     score = completion_accuracy(model, pairs, heldout["unigram_token"])
-    assert score.unigram_accuracy == pytest.approx(UNIGRAM_MEASURED)
-    assert score.next_token_accuracy >= NEXT_TOKEN_FLOOR, score
-    assert score.model_accuracy >= FREE_RUN_FLOOR, score
+    assert score.unigram_accuracy == pytest.approx(heldout["unigram_accuracy"])
+    assert score.next_token_accuracy >= heldout["next_token_accuracy"] - NEXT_TOKEN_SLACK, score
+    assert score.model_accuracy >= heldout["model_accuracy"] - FREE_RUN_SLACK, score
+    assert score.next_token_accuracy >= 5 * score.unigram_accuracy and score.model_accuracy > score.unigram_accuracy
 
 
 def test_mtp_drafts_are_accepted(model, heldout):

@@ -221,8 +221,12 @@ async def test_responses_and_messages_constraints(client):
 EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
 #: prompts in the shape the embedded model was trained on ("Write a Python function ..."), on which its greedy
 #: reasoning ends with </think> within a few dozen tokens
-TRAINED_ASKS = ["Write a Python function `add(a, b)`.\n\nReturn the sum of a and b.",
-                "Implement `parse_header(line)`: split a header line into name and value."]
+#: requests the embedded model ends its reasoning for within the test's max_tokens
+TRAINED_ASKS = ["Write a Python function `greet(name)`.\n\nReturn a greeting for name.",
+                "Implement `join_words(words)`: join the words with spaces."]
+#: one the model ends its reasoning for through the Anthropic endpoint, which samples a thinking request (at
+#: temperature 1, as Anthropic's API does; seeded below) whatever the temperature asked
+MESSAGES_ASK = [{"role": "user", "content": "Implement `join_words(words)`: join the words with spaces."}]
 OP = {"type": "object", "additionalProperties": False, "required": ["name", "n"], "properties": {
     "name": {"type": "string", "enum": ["add", "sub"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
 
@@ -241,7 +245,7 @@ async def test_a_constraint_with_thinking_applies_after_the_thinking_section(aio
             json.loads(message["reasoning_content"])
         jsonschema.validate(json.loads(message["content"]), OP)
     r = await client.post("/v1/messages", json={
-        "model": MODEL, "messages": asks[0], "max_tokens": 80, "temperature": 0,
+        "model": MODEL, "messages": MESSAGES_ASK, "max_tokens": 80, "temperature": 0, "seed": 0,
         "thinking": {"type": "enabled", "budget_tokens": 1024}, "output_format": {"type": "json_schema", "schema": OP}})
     body = await r.json()
     assert r.status == 200 and [block["type"] for block in body["content"]] == ["thinking", "text"], body

@@ -16,8 +16,9 @@ from deepserve.server.state import ENGINE, MODEL as MODEL_INFO, RECIPE
 from test_server import MODEL, USER, chat_dir, client, make_app, parse_sse  # noqa: F401 - fixtures
 
 EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
-#: a prompt in the shape the embedded model was trained on: its greedy reasoning ends with </think> soon
-TRAINED_ASK = [{"role": "user", "content": "Write a Python function `add(a, b)`.\n\nReturn the sum of a and b."}]
+#: a request in the shape the embedded model was trained on, whose reasoning it ends with </think> within the tests'
+#: max_tokens (greedy and at the seed the test samples with)
+TRAINED_ASK = [{"role": "user", "content": "Write a Python function `greet(name)`.\n\nReturn a greeting for name."}]
 
 
 async def scrape(client) -> dict[tuple[str, tuple], float]:
