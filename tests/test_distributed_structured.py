@@ -100,8 +100,7 @@ async def answers(client, release: threading.Event) -> list:
             "type": "json_schema", "json_schema": {"name": "pick", "schema": RECORD}}},
         {"messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
          "tool_choice": {"type": "function", "function": {"name": "add"}}},
-        # (the add tool alone: JSON grammars allow any whitespace, and a small model can fill max_tokens with it)
-        {"messages": ASK, "tools": TOOLS[:1], "max_tokens": 120, "temperature": 0, "tool_choice": "required"},
+        {"messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0, "tool_choice": "required"},
         {"messages": ASK, "max_tokens": 8, "structured_outputs": {"json": INVALID}},
         {"messages": ASK, "max_tokens": 8, "structured_outputs": {"regex": "a+", "backend": "stuck"}},
     ]

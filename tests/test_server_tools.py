@@ -139,3 +139,27 @@ async def test_auto_parses_a_call_the_model_writes_and_bad_choices_are_named(cli
         "model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 8,
         "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status == 400
+
+
+@pytest.mark.parametrize("text, ok", [('{"a":1,"b":[1,2]}', True), ('{"a": 1, "b": [1, 2]}', True),
+                                      ('{\n"a":1}', False), ('{"a":  1}', False), ('{"a":1 }', True)])
+def test_argument_json_holds_at_most_one_space_between_tokens(text, ok):
+    """A non-string argument's JSON allows one optional space where JSON allows whitespace, no newlines or runs (a
+    small model filled a forced call's max_tokens with newlines inside it); a schema's own x-guidance wins."""
+    import llguidance
+
+    from deepserve.server.tool_calls import tool_call_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}, "required": ["a"]}
+    lines = tool_call_grammar([{"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}}], None,
+                              False, False).splitlines()
+    value = next(line.split(": ", 1)[1] for line in lines if "%json" in line)
+    vocab = json.loads((EMBEDDED / "config.json").read_text())["vocab_size"]
+    tokenizer = llguidance.LLTokenizer((EMBEDDED / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=[1])
+    ids = tokenizer.tokenize_str(text)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(f"start: {value}"))
+    assert (matcher.try_consume_tokens(ids) == len(ids)) == ok
+    own = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    lines = tool_call_grammar([{"name": "f", "parameters": {"type": "object", "properties": {"x": own}}}], None,
+                              False, False).splitlines()
+    assert '"x-guidance": {"whitespace_flexible": true}' in next(line for line in lines if "%json" in line)

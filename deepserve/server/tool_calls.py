@@ -65,6 +65,10 @@ def parallel_allowed(protocol: str, body: Mapping[str, Any]) -> bool:
     return body.get("parallel_tool_calls") is not False
 
 
+#: the whitespace a non-string argument's JSON may hold between its tokens (llguidance's `whitespace_pattern`)
+ARGUMENT_WHITESPACE = "[ ]?"
+
+
 def tool_call_spec(tools: Sequence[Mapping[str, Any]], names: Sequence[str], dsml_id: int | None, parallel: bool,
                    open_block: bool) -> GrammarSpec:
     """The grammar spec of a forced call among `tools` (OpenAI's `[{"type": "function", "function": {...}}]`, as
@@ -122,7 +126,11 @@ def _parameter(rule: str, prop: str, schema: Mapping[str, Any], d: str) -> list[
             bound = f"{low},{high}" if type(high) is int and high >= low else f"{low},"
             return [f"{rule}: {head} {rule}_text {tail}", f"{rule}_text: /[^<]{{{bound}}}/"]
         return [f"{rule}: {head} RAW {tail}"]
-    return [f"{rule}: {head} {rule}_value {tail}", f"{rule}_value: %json {json.dumps(dict(schema))}"]
+    # at most one space where JSON allows whitespace (as outlines' default): a call's arguments read as models
+    # write them, and a small model cannot fill max_tokens with newlines inside them; a schema's own `x-guidance`
+    # options win
+    value = {"x-guidance": {"whitespace_pattern": ARGUMENT_WHITESPACE}, **schema}
+    return [f"{rule}: {head} {rule}_value {tail}", f"{rule}_value: %json {json.dumps(value)}"]
 
 
 def _lit(text: str) -> str:
