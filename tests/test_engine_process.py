@@ -26,6 +26,7 @@ from deepserve.core.plugins import make_plugin_manager
 from deepserve.distributed import messages as m
 from deepserve.distributed.front import DataParallelEngine, RankError
 from deepserve.server import ENGINE, ServerConfig, create_app
+from test_distributed_server import until
 
 MODEL = str(default_model_dir())
 OPTIONS = dict(max_num_seqs=4, kv_cache_bytes=2**24, block_size=128, max_model_len=512)
@@ -37,14 +38,6 @@ def make_app():
     config = ServerConfig(model=MODEL, served_model_name="tiny", default_thinking_mode=False,
                           engine_kwargs=dict(OPTIONS, engine_process=True))
     return create_app(config, plugin_manager=make_plugin_manager(load_entrypoints=False))
-
-
-async def until(condition, seconds: float = 30.0) -> bool:
-    for _ in range(int(seconds / 0.05)):
-        if condition():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def first_event(response) -> bytes:
@@ -162,7 +155,7 @@ async def test_streams_aborts_structured_metrics_and_shutdown(aiohttp_client, on
     response.close()
     assert await until(lambda: not front.has_unfinished_requests()
                        and front.rank_snapshots[0].num_requests_running == 0
-                       and front.rank_snapshots[0].num_kv_pages_used == 0)
+                       and front.rank_snapshots[0].num_kv_pages_used == 0, 30.0)
 
     # a JSON-schema request: validated on the front's compiler, compiled again and masked in the engine process
     constrained = {"model": "tiny", "prompt": "A record: ", "max_tokens": 60, "temperature": 0,
@@ -191,7 +184,7 @@ async def test_streams_aborts_structured_metrics_and_shutdown(aiohttp_client, on
     events = [line for line in (first.decode() + rest).split("\n") if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-    assert await until(lambda: not proc.is_alive())
+    assert await until(lambda: not proc.is_alive(), 30.0)
     assert proc.exitcode == 0 and proc not in multiprocessing.active_children()
 
 

@@ -206,7 +206,7 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         f"- deepserve's own modules hold the parameters; the batched training forward was checked against "
         f"deepserve's inference forward before training (max |dlogit| {tr['parity']:.1e} on the GPU with TF32)",
     ]
-    in_run = "confidence" in metrics and "confidence" not in metrics.get("failed", {})
+    in_run = "confidence" in metrics  # (the run records it only when its head stage finished)
     confidence = metrics["confidence"] if in_run else confidence
     if confidence:
         e = confidence["eval"]
@@ -214,8 +214,8 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
                  if in_run else "retrained for v2 after the run, on a CPU (`deepserve.tools.train_confidence`, "
                  "exact=False)")
         lines.append(
-            f"- DSpark confidence head: {where}, from {confidence['rows']['train']:,} logged draft outcomes of held-out standard-library "
-            f"prompts ({confidence['files']['train']} files; {confidence['files']['eval']} other files for its "
+            f"- DSpark confidence head: {where}, from {confidence['rows']['train']:,} logged draft outcomes of "
+            f"held-out standard-library prompts ({confidence['files']['train']} files; {confidence['files']['eval']} other files for its "
             f"evaluation): log loss {e['head']['log_loss']} against {e['top1_heuristic']['log_loss']} for the raw "
             f"top-1 probability and {e['calibrated_top1']['log_loss']} Platt-scaled, AUC {e['head']['auc']} against "
             f"{e['top1_heuristic']['auc']}, ECE {e['head']['ece']} ({e['rows']:,} outcomes, acceptance "

@@ -54,8 +54,9 @@ def _mm_out_fp32_works(device: str) -> bool:
 def persist_compiled_kernels() -> None:
     """Compiled kernels (Triton's cache, DeepGEMM's JIT cache) kept under deepserve's cache directory, so that a
     restart compiles nothing; set before either compiles, and only where the user has not named their own."""
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
-    os.environ.setdefault("DG_JIT_CACHE_DIR", str(cache_dir() / "deep_gemm"))
+    root = cache_dir()
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    os.environ.setdefault("DG_JIT_CACHE_DIR", str(root / "deep_gemm"))
 
 
 class NvidiaBackend(PackedKVOps, ReferenceBackend):
