@@ -276,3 +276,20 @@ def test_the_chat_answers_closing_fence_is_on_its_own_line():
     answer = chat_text(pair, random.Random(0)).answer
     assert answer == '```python\ndef add(a, b):\n    """Add."""\n    return a + b\n```'
     assert fenced_code_parses(answer)
+
+
+def test_chat_answers_drop_the_docstring_and_private_or_long_functions():
+    from deepserve.tools.train_corpus import FunctionPair, chat_text, short_chat_pairs, without_docstring
+
+    src = '@cache\ndef add(a, b):\n    """Add\n    two numbers."""\n    return a + b'
+    assert without_docstring(src) == "@cache\ndef add(a, b):\n    return a + b"
+    assert without_docstring('def f():\n    """Only a docstring."""') is None
+    assert without_docstring('def f():\n    """Doc."""; return 1') is None  # the docstring shares its line
+    pairs = [FunctionPair("m.py", "add", "(a, b)", "Add two numbers.", src),
+             FunctionPair("m.py", "_helper", "(a)", "A private helper.", 'def _helper(a):\n    """D."""\n    return a'),
+             FunctionPair("m.py", "C.__len__", "(self)", "The length.", 'def __len__(self):\n    """D."""\n    return 0'),
+             FunctionPair("m.py", "big", "()", "Big.", 'def big():\n    """D."""\n' + "    x = 1\n" * 100)]
+    short = short_chat_pairs(pairs, max_chars=200)
+    assert [p.qualname for p in short] == ["add", "C.__len__"]
+    answer = chat_text(short[0], random.Random(0)).answer
+    assert answer == "```python\n@cache\ndef add(a, b):\n    return a + b\n```" and fenced_code_parses(answer)

@@ -146,11 +146,14 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         f"- left out whole, their licence not permissive or not established: "
         + ", ".join(f"{s['name']} {s['version']} ({s['licence'] or 'none found'})" for s in left_out) + ";",
         f"- code: each file as `BOS file EOS`, {meta['train_code_tokens'] / 1e6:.1f} M training tokens;",
-        f"- chat: {meta['num_pairs']:,} docstring -> function pairs (a seeded sample), each rendered once by "
-        "deepseek-recipe's V4.1 encoding with one of several request phrasings (30% of the plain functions asked "
-        "in the user's words from the docstring's first sentence, \"Write a function that reverses a list.\"), "
-        "30% in thinking mode (a one-line reasoning, then `</think>`); the answer is the function in a "
-        f"```` ```python ```` block. {meta['chat_tokens'] / 1e6:.1f} M tokens, loss on the answers only;",
+        f"- chat: {meta['num_pairs']:,} docstring -> function pairs (a seeded sample"
+        + (f" of the {meta['num_chat_candidates']:,} public documented functions and methods whose code without its "
+           f"docstring fits {meta['chat_max_chars']} characters" if meta.get("chat_max_chars") else "")
+        + "), each rendered once by deepseek-recipe's V4.1 encoding with one of several request phrasings (30% of "
+        "the plain functions asked in the user's words from the docstring's first sentence, \"Write a function "
+        "that reverses a list.\"), 30% in thinking mode (a one-line reasoning, then `</think>`); the answer is the "
+        + ("function without its docstring (the request quotes it)" if meta.get("chat_max_chars") else "function")
+        + f" in a ```` ```python ```` block. {meta['chat_tokens'] / 1e6:.1f} M tokens, loss on the answers only;",
         f"- held out: the {meta['num_heldout_files']} files whose path hash falls in the held-out slice "
         f"({src['held_out_rule']}; for the standard library the same paths and rule as v1, so v1's held-out files "
         f"are held out here too), with their code and their {meta['num_heldout_pairs']} docstring pairs; nothing of "

@@ -193,6 +193,37 @@ def summary_clause(doc: str) -> str | None:
     return f"{verb} {words[1]}"
 
 
+def without_docstring(source: str) -> str | None:
+    """A function's source with its docstring's lines taken out (the request already quotes it), or None when the
+    docstring shares a line with other code or nothing but the docstring would be left."""
+    try:
+        node = ast.parse(source).body[-1]
+    except (SyntaxError, ValueError, IndexError):
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
+        return None
+    doc, rest = node.body[0], node.body[1:]
+    lines = source.splitlines()
+    if not rest or doc.lineno == node.lineno or rest[0].lineno == doc.end_lineno:
+        return None
+    return "\n".join(lines[: doc.lineno - 1] + lines[doc.end_lineno :]).rstrip()
+
+
+def short_chat_pairs(pairs: Sequence[FunctionPair], max_chars: int) -> list[FunctionPair]:
+    """The pairs a chat answer is made of: public functions and methods (a user does not ask for `_helper`), the
+    docstring dropped from the answer, at most `max_chars` of code left: short answers teach the model that an
+    answer ends, with its closing fence, rather than running on as library code does."""
+    out = []
+    for p in pairs:
+        name = p.qualname.rpartition(".")[2]
+        if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+            continue
+        body = without_docstring(p.source)
+        if body is not None and len(body) <= max_chars:
+            out.append(FunctionPair(p.path, p.qualname, p.signature, p.doc, body))
+    return out
+
+
 def chat_text(pair: FunctionPair, rng: random.Random, thinking_share: float = 0.3, plain_share: float = 0.0) -> ChatText:
     cls, _, name = pair.qualname.rpartition(".")
     doc = pair.doc if len(pair.doc) <= 600 else pair.doc[:600].rsplit(" ", 1)[0] + " ..."
@@ -276,7 +307,7 @@ def _pairs_of(f: SourceFile) -> list[FunctionPair]:
 def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, log=print,
                  files: Sequence[SourceFile] | None = None, tokenizer_chars: int | None = None,
                  max_pairs: int | None = None, plain_share: float = 0.0, processes: int = 1,
-                 extra_meta: dict | None = None) -> Path:
+                 extra_meta: dict | None = None, chat_max_chars: int | None = None) -> Path:
     """Tokenizer plus token arrays of the whole corpus in `out` (`tokenizer.json`, `data.npz`, `meta.json`).
 
     Training code is one stream of `BOS file EOS` records (`code`, starting offsets in `code_doc_starts`); the
@@ -284,7 +315,8 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
     second stream of `BOS function EOS` records (`functions`, `function_starts`), each dedented to its `def`
     line: the form of a function header's completion, body included, up to where the function ends; chat
     examples are `chat` with a loss mask over their answer tokens and offsets `chat_starts` (plus an end
-    sentinel). The `heldout_*` arrays hold the same for the held-out files.
+    sentinel). The `heldout_*` arrays hold the same for the held-out files. With `chat_max_chars`, chat answers
+    are `short_chat_pairs` (no docstring, at most that many characters of code), held-out ones too.
     """
     import numpy as np
     import tokenizers
@@ -355,11 +387,15 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
     held_pairs = [p for p in pairs if p.held_out]
     functions, function_starts = code_stream(train_pairs) if train_pairs else (np.zeros(0, np.uint16),
                                                                                  np.zeros(0, np.int64))
-    if max_pairs is not None and len(train_pairs) > max_pairs:  # a seeded sample, kept in corpus order
-        keep = set(random.Random(seed).sample(range(len(train_pairs)), max_pairs))
-        train_pairs = [p for i, p in enumerate(train_pairs) if i in keep]
-    chat, chat_mask, chat_starts = chat_stream(train_pairs, chat_variants)
-    hchat, hchat_mask, hchat_starts = chat_stream(held_pairs, 1)
+    chat_pairs, held_chat_pairs = train_pairs, held_pairs
+    if chat_max_chars is not None:
+        chat_pairs, held_chat_pairs = (short_chat_pairs(ps, chat_max_chars) for ps in (train_pairs, held_pairs))
+    num_candidates = len(chat_pairs)
+    if max_pairs is not None and len(chat_pairs) > max_pairs:  # a seeded sample, kept in corpus order
+        keep = set(random.Random(seed).sample(range(len(chat_pairs)), max_pairs))
+        chat_pairs = [p for i, p in enumerate(chat_pairs) if i in keep]
+    chat, chat_mask, chat_starts = chat_stream(chat_pairs, chat_variants)
+    hchat, hchat_mask, hchat_starts = chat_stream(held_chat_pairs, 1)
     counts = np.bincount(np.concatenate((code, chat[chat_mask.astype(bool)])).astype(np.int64), minlength=vocab_size)
     np.savez_compressed(
         out / DATA_FILE, code=code, code_doc_starts=code_starts, chat=chat, chat_mask=chat_mask,
@@ -370,7 +406,8 @@ def prepare_data(out: Path, vocab_size: int, seed: int, chat_variants: int = 2, 
         python=python_version(), fingerprint=corpus_fingerprint(files), seed=seed, vocab_size=vocab_size,
         num_files=len(files), num_heldout_files=len(held_files), heldout_paths=[f.path for f in held_files],
         train_code_tokens=int(len(code)), heldout_code_tokens=int(len(held)), function_tokens=int(len(functions)),
-        num_functions=len(function_starts), num_pairs=len(train_pairs),
+        num_functions=len(function_starts), num_pairs=len(chat_pairs), num_chat_candidates=num_candidates,
+        chat_max_chars=chat_max_chars,
         num_heldout_pairs=len(held_pairs), chat_tokens=int(len(chat)), chat_variants=chat_variants,
         heldout_pairs=[dict(path=p.path, qualname=p.qualname, signature=p.signature, doc=p.doc) for p in held_pairs],
         card_chat_prompt_ids=render_prompt(encoding, CARD_CHAT_REQUEST, thinking=False),

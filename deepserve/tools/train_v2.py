@@ -47,10 +47,14 @@ V2_MODEL = dict(
     layer_types=["sliding_attention", "sliding_attention"]
     + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
 )
-#: the forward under bf16 autocast; of each step's sequences 45% code windows, 30% whole functions (the held-out
-#: headers' task: a header, then its body up to the function's end), 25% chat
-V2_TRAIN = dict(seq_len=512, tokens_per_step=65536, lr=3e-3, warmup_steps=30, chat_share=0.25, function_share=0.3,
+#: the forward under bf16 autocast; of each step's sequences 40% code windows, 30% whole functions (the held-out
+#: headers' task: a header, then its body up to the function's end), 30% chat
+V2_TRAIN = dict(seq_len=512, tokens_per_step=65536, lr=3e-3, warmup_steps=30, chat_share=0.3, function_share=0.3,
                 bf16=True)
+#: chat answers: public functions and methods without their docstring, at most this many characters of code (the
+#: first GPU run trained on whole library functions, docstrings and all: its answers ran on past 320 tokens and
+#: never closed their fence)
+CHAT_MAX_CHARS = 600
 #: the smoke run: the same stages, sized for a CPU
 SMOKE_MODEL = dict(
     vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=32, q_lora_rank=32,
@@ -154,7 +158,8 @@ def prepare(data: Path, seed: int, vocab_size: int, package_mb: float, processes
     )
     corpus.prepare_data(data, vocab_size, seed, chat_variants=1, log=log, files=files,
                         tokenizer_chars=2_000_000 if smoke else 32_000_000, max_pairs=400 if smoke else 60_000,
-                        plain_share=0.3, processes=processes, extra_meta=dict(sources=record))
+                        plain_share=0.3, processes=processes, extra_meta=dict(sources=record),
+                        chat_max_chars=CHAT_MAX_CHARS)
     meta = json.loads((data / corpus.META_FILE).read_text())
     sets = eval_sets(files, meta, data / "tokenizer.json", V1_DIR / "tokenizer.json", seed,
                      num_headers=8 if smoke else 100, num_chat=4 if smoke else 100)
