@@ -152,12 +152,15 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                               batch_sizes=config.cuda_graph_sizes)
         if graphs.capture:  # compile and capture every bucket now: no request pays for it
             graphs.warm_up()
+    verify_graphs = None
     if backend.cuda_graphs and not config.enforce_eager and proposer is not None and placement is None and \
             cache.layers and cache.layers[0].storage.is_cuda:
-        # the drafter's fixed-shape work (the MTP chain) as its own graphs, now; verify steps run eagerly
+        # the drafter's fixed-shape work (the MTP chain) as its own graphs, and the verify steps of k drafts a
+        # sequence as the target's, now (steps with other draft counts, DSpark's planned ones, run eagerly)
         proposer.capture_graphs(cache, max_num_seqs, batch_sizes=config.cuda_graph_sizes)
+        verify_graphs = _verify_graphs(model, cache, config, max_num_seqs, math.ceil(max_model_len / block_size))
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
-    runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs)
+    runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs, verify_graphs=verify_graphs)
     if placement is None and warm_up_wanted(config.warm_up, backend.device):  # (ranks in lockstep: not alone)
         # every other step kind (prompt chunks by size, after a prefix, mixed, verify) compiled now, on scratch state
         spec = config.speculative_config
@@ -267,6 +270,22 @@ def _lockstep(pm, config: EngineConfig, runner, placement, group):
                                   initial=as_balance_placement(placement))
     return LockstepExecutor(runner, transport, RankBalancer(balancer, moe_sites(runner.model), transport, group,
                                                             loads))
+
+
+def _verify_graphs(model, cache, config: EngineConfig, max_num_seqs: int, max_pages: int):
+    """The verify steps of `num_speculative_tokens` drafts a sequence as CUDA graphs, every bucket captured now;
+    None (verify steps run eagerly) for a proposer that drafts no fixed number or a width past the window."""
+    from deepserve.model.verify_graphs import VerifyGraphs
+
+    spec = config.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 0
+    try:
+        graphs = VerifyGraphs(model, cache, max_num_seqs, max_pages, 1 + k, batch_sizes=config.cuda_graph_sizes)
+    except ValueError as exc:
+        logger.info("verify steps run eagerly: %s", exc)
+        return None
+    graphs.warm_up()
+    return graphs
 
 
 def _kv_events(config: EngineConfig, rank):

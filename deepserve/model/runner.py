@@ -39,6 +39,7 @@ from .logits_processors import process_logits
 from .speculation import Speculation
 from .speculative import Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
+from .verify_graphs import VerifyGraphs
 
 
 @dataclass(slots=True)
@@ -50,17 +51,21 @@ class _Seq:
 
 class ModelRunner(ModelExecutor):
     def __init__(self, model: DeepseekV4ForCausalLM, backend: Backend, cache: PagedKVCache, decode=None,
-                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
+                 verify_graphs: VerifyGraphs | None = None) -> None:
         """`graphs`: run the decode steps it supports as static forwards (CUDA graphs); not with a proposer,
-        whose steps verify several tokens per sequence and need the drafter's inputs."""
+        whose steps verify several tokens per sequence and need the drafter's inputs. `verify_graphs`: with a
+        proposer, run the verify steps it supports (every sequence the same number of drafts) that way."""
         if graphs is not None and proposer is not None:
             raise ValueError("decode graphs and a speculative proposer do not combine "
-                             "(the graphs decode one token per step)")
+                             "(the graphs decode one token per step; verify steps take verify_graphs)")
+        if verify_graphs is not None and proposer is None:
+            raise ValueError("verify graphs run the verify steps of a speculative proposer: give one")
         self.model, self.backend, self.cache = model, backend, cache
         self.device = torch.device(backend.device)
         self.decode = decode  # token id -> text, for Logprob.decoded_token
         self.speculation = Speculation(self, proposer) if proposer is not None else None
-        self.graphs = graphs
+        self.graphs, self.verify_graphs = graphs, verify_graphs
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
         self.warm_up_report = None  # what `warm_up` ran (`warm_up.WarmUpReport`), once it has
@@ -185,14 +190,17 @@ class ModelRunner(ModelExecutor):
         return out
 
     def _forward(self, batch, states, rows) -> ForwardOutput:
-        """The step's forward. A decode step replays a CUDA graph when `graphs` takes it. A mixed step (decode
-        tokens beside prompt chunks: a request arriving while others decode) runs as two forwards, its one-token
-        chunks (a graph, or the batched paged decode path) and the rest, instead of sending every decode token
-        down the per-sequence path that long chunks need; the logits come back in chunk order. With a proposer the
-        step stays whole (the drafter reads every chunk's streams)."""
+        """The step's forward. A decode step replays a CUDA graph when `graphs` takes it, a verify step when
+        `verify_graphs` does. A mixed step (decode tokens beside prompt chunks: a request arriving while others
+        decode) runs as two forwards, its one-token chunks (a graph, or the batched paged decode path) and the
+        rest, instead of sending every decode token down the per-sequence path that long chunks need; the logits
+        come back in chunk order. With a proposer the step stays whole (the drafter reads every chunk's streams)."""
         graphs = self.graphs
         if graphs is not None and graphs.supports(batch, states):
             return graphs.forward(batch, states)
+        verify = self.verify_graphs  # (after the undo of each verifying chunk: the static step fills its journals)
+        if verify is not None and verify.supports(batch, states):
+            return verify.forward(batch, states)
         single = [i for i, c in enumerate(batch.chunks) if c.length == 1]
         rest = [i for i, c in enumerate(batch.chunks) if c.length != 1]
         if self.proposer is not None or len(single) < 2 or not rest:

@@ -1,5 +1,6 @@
-"""On an NVIDIA GPU: speculative steps with CUDA graphs (the MTP drafter's chain, `draft_graphs`) against the same
-steps launched eagerly: the chain's replay gives its static forward's bits; through the engine, greedy tokens with graphs equal the eager speculative run's and plain
+"""On an NVIDIA GPU: speculative steps with CUDA graphs (the MTP drafter's chain, `draft_graphs`, and the target's
+verify steps, `verify_graphs`) against the same steps launched eagerly: each replay gives its static forward's
+bits; through the engine, greedy tokens with graphs equal the eager speculative run's and plain
 greedy decoding's, on the fp32 demo model and on a bf16 model with V4-Flash's layer shapes (two layers, few
 experts, an MTP block)."""
 
@@ -87,6 +88,51 @@ def test_chain_replay_matches_its_static_forward(demo_dir):
             new[i] = [nxt[i]] + drafts[0].token_ids[n, : rng.randrange(0, k)].tolist()
 
 
+@pytest.mark.parametrize("which", ["demo", "flash"])
+@torch.inference_mode()
+def test_verify_replay_matches_its_static_forward(request, which):
+    """The target's verify steps (`verify_graphs`): each bucket's replay against the same static forward run
+    eagerly, over random steps of 1 + 4 tokens a sequence, each followed by a rollback to a random kept count."""
+    from deepserve.backends.nvidia import NvidiaBackend
+    from deepserve.model.batch import make_batch
+    from deepserve.model.factory import load_model
+    from deepserve.model.kv_cache import PagedKVCache
+    from deepserve.model.speculative import SequenceUndo
+    from deepserve.model.verify_graphs import VerifyGraphs
+
+    dtype = "float32" if which == "demo" else "bfloat16"
+    model = load_model(request.getfixturevalue(f"{which}_dir"), NvidiaBackend("cuda:0"), dtype=dtype, progress=False)
+    vocab, width, num_slots, page = model.cfg.vocab_size, 5, 8, 64
+    rng = random.Random(2)
+    caches = [PagedKVCache(model, 8 * num_slots, page, num_slots) for _ in range(2)]
+    graphs = [VerifyGraphs(model, cache, num_slots, 8, width, capture=capture)
+              for cache, capture in zip(caches, (False, True))]
+    graphs[1].warm_up(progress=False)
+    assert all(b.graph is not None for b in graphs[1]._buckets.values())
+    states = []
+    for c, cache in enumerate(caches):
+        states.append([cache.new_sequence([8 * i + j for j in range(8)])[0] for i in range(num_slots)])
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(1, 200))] for _ in range(num_slots)]
+    for c in range(2):
+        for st, prompt in zip(states[c], prompts):
+            model(make_batch([prompt], [0], "cuda:0"), [st])
+    for step in range(16):
+        which_seqs = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))
+        tokens = [[rng.randrange(2, vocab) for _ in range(width)] for _ in which_seqs]
+        kept = [rng.randrange(1, width + 1) for _ in which_seqs]
+        logits = []
+        for c in range(2):
+            sts = [states[c][i] for i in which_seqs]
+            starts = [st.num_tokens for st in sts]
+            undo = [SequenceUndo(st, s, width) for st, s in zip(sts, starts)]
+            batch = make_batch(tokens, starts, "cuda:0", logits_rows=[range(width)] * len(sts))
+            assert graphs[c].supports(batch, sts)
+            logits.append(graphs[c].forward(batch, sts).logits.clone())
+            for u, s, a in zip(undo, starts, kept):
+                u.rollback(s + a) if a < width else u.commit()
+        assert torch.equal(logits[0], logits[1]), f"step {step}"
+
+
 def _generate(path, dtype, spec, eager, prompts, max_tokens, max_num_seqs):
     llm = LLM(path, dtype=dtype, accelerator="nvidia", max_num_seqs=max_num_seqs, enforce_eager=eager,
               speculative_config=spec, max_model_len=1024, kv_cache_bytes=4 << 30, load_plugins=False)
@@ -95,6 +141,8 @@ def _generate(path, dtype, spec, eager, prompts, max_tokens, max_num_seqs):
     if not eager and spec is not None:
         chain = llm.proposer.chain_graphs
         assert chain is not None and chain._buckets and all(b.graph is not None for b in chain._buckets.values())
+        verify = llm.runner.verify_graphs
+        assert verify is not None and all(b.graph is not None for b in verify._buckets.values())
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     accepted = sum(o.num_accepted_tokens or 0 for o in outs)

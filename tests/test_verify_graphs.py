@@ -1,0 +1,140 @@
+"""Speculative verify steps as the static forward their CUDA graphs capture (`deepserve.model.verify_graphs`), run
+eagerly on the CPU reference backend: logits of every row and every row a sequence owns equal the paged verify
+path's, bit for bit, over random steps of several widths whose rows close compressed blocks (several per CSA
+stream), wrap the window and pad up to every bucket, each followed by a rollback to a random number of kept tokens
+(through the journals the static step fills) or a commit, and later steps on the rolled-back state. Steps it
+cannot take go eager. Through the engine, greedy tokens with verify graphs equal eager speculation's and plain
+decoding's. Capture and replay themselves need a GPU (tests/gpu/test_spec_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tiny
+from test_cuda_graphs import _owned_equal
+
+from deepserve.model.batch import make_batch
+from deepserve.model.kv_cache import PagedKVCache
+from deepserve.model.speculative import SequenceUndo
+from deepserve.model.verify_graphs import VerifyGraphs
+
+PAGE = 64  # window 16, CSA ratio 4, HCA ratio 16 in the demo model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny.demo_model(tmp_path_factory, seed=5)
+
+
+@pytest.mark.parametrize("width,seed", [(2, 0), (6, 1)])
+@torch.inference_mode()
+def test_static_verify_equals_paged_verify(model, width, seed):
+    rng = random.Random(seed)
+    num_slots, num_pages, steps = 6, 60, 14
+    caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
+    graphs = VerifyGraphs(model, caches[1], max_batch=num_slots, max_pages=5, width=width, capture=False)
+    seqs, next_page = [], 0
+    for _ in range(num_slots):  # prompts that end just before compression and window boundaries, or anywhere
+        n = rng.choice([1, 3, 15, 16, 17, 62, rng.randrange(1, 150)])
+        table = []
+        while len(table) * PAGE < n + steps * width:
+            table.append(next_page)
+            next_page += 1
+        prompt = [rng.randrange(2, 258) for _ in range(n)]
+        states = []
+        for cache in caches:
+            st = cache.new_sequence(table)[0]
+            model(make_batch([prompt], [0], "cpu"), [st])
+            states.append(st)
+        seqs.append(states)
+    used = set()
+    for step in range(steps):
+        which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))
+        tokens = [[rng.randrange(2, 258) for _ in range(width)] for _ in which]
+        kept = [rng.randrange(1, width + 1) for _ in which]
+        logits = []
+        for k, cache in enumerate(caches):
+            states = [seqs[i][k] for i in which]
+            starts = [st.num_tokens for st in states]
+            undo = [SequenceUndo(st, s, width) for st, s in zip(states, starts)]
+            batch = make_batch(tokens, starts, "cpu", logits_rows=[range(width)] * len(which))
+            if k == 0:
+                logits.append(model(batch, states).logits)
+            else:
+                assert graphs.supports(batch, states)
+                logits.append(graphs.forward(batch, states).logits)
+            for u, s, a in zip(undo, starts, kept):
+                u.rollback(s + a) if a < width else u.commit()
+        assert torch.equal(logits[0], logits[1]), f"step {step}"
+        for a, b in seqs:
+            assert a.num_tokens == b.num_tokens
+            for la, lb in zip(a.layers, b.layers):
+                for ca, cb in ((la.compressor, lb.compressor), (la.indexer, lb.indexer)):
+                    if ca is not None:
+                        assert ca.rows.num_rows == cb.rows.num_rows and cb.journal is None
+        used.update(graphs._buckets)
+    _owned_equal(*caches)
+    assert len({s for s, _ in used}) >= 3  # several sequence buckets, padding sequences among them
+    # and plain decode steps after the rolled-back passes agree too
+    for k, cache in enumerate(caches):
+        states = [seqs[i][k] for i in range(num_slots)]
+        out = model(make_batch([[7]] * num_slots, [st.num_tokens for st in states], "cpu"), states).logits
+        logits[k] = out
+    assert torch.equal(logits[0], logits[1])
+
+
+@torch.inference_mode()
+def test_static_verify_declines_what_it_cannot_run(model):
+    cache = PagedKVCache(model, 12, PAGE, 3)
+    graphs = VerifyGraphs(model, cache, max_batch=2, max_pages=2, width=3, capture=False)
+    tables = [[0, 1], [2, 3], [4, 5, 6]]
+    states = [cache.new_sequence(t)[0] for t in tables]
+    for st in states:
+        model(make_batch([[5, 6, 7]], [0], "cpu"), [st])
+    for st in states[:2]:
+        SequenceUndo(st, 3, 3)
+    assert graphs.supports(make_batch([[1, 2, 3], [2, 3, 4]], [3, 3], "cpu"), states[:2])
+    assert not graphs.supports(make_batch([[1, 2], [2, 3, 4]], [3, 3], "cpu"), states[:2])  # another width
+    assert not graphs.supports(make_batch([[1, 2, 3]] * 3, [3, 3, 3], "cpu"), states)  # past max_batch
+    assert not graphs.supports(make_batch([[1, 2, 3]], [3], "cpu"), states[2:])  # no undo taken; table too wide
+    far = make_batch([[1, 2, 3]], [PAGE - 1], "cpu", snapshots=[[(PAGE, 0)]])
+    assert not graphs.supports(far, states[:1])  # a page boundary (its snapshot) inside the chunk
+    with pytest.raises(ValueError, match="width"):
+        VerifyGraphs(model, cache, max_batch=2, max_pages=2, width=1, capture=False)
+    with pytest.raises(ValueError, match="window"):
+        VerifyGraphs(model, cache, max_batch=2, max_pages=2, width=17, capture=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        VerifyGraphs(model, cache, max_batch=2, max_pages=2, width=3, capture=True)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_engine_with_verify_graphs_equals_eager_speculation(tmp_path, method):
+    """Greedy and seeded sampled requests: the same tokens with verify steps through the static forward as with
+    eager verify steps (and, greedy, as plain decoding); MTP's steps of k drafts all take it, DSpark's planned
+    draft counts only where they agree."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    path = build_demo_checkpoint(tmp_path / "m", seed=2)
+    prompts = [[5, 6, 7, 8], list(range(10, 110)), [9] * 33]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    outs, calls = {}, []
+    for name in ("plain", "eager", "graphs"):
+        llm = LLM(path, dtype="float32", max_num_seqs=4, block_size=128,
+                  speculative_config=None if name == "plain" else spec)
+        if name == "graphs":
+            llm.runner.verify_graphs = VerifyGraphs(llm.model, llm.cache, 4, 4, width=4, capture=False)
+            forward = llm.runner.verify_graphs.forward
+            llm.runner.verify_graphs.forward = lambda b, s: calls.append(len(s)) or forward(b, s)
+        params = [greedy, greedy, sampled]
+        outs[name] = [o.outputs[0].token_ids for o in
+                      llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
+    assert len(calls) > 3
+    assert outs["graphs"] == outs["eager"]
+    assert outs["graphs"][:2] == outs["plain"][:2]
