@@ -10,7 +10,8 @@ draft j is accepted, given drafts < j were, with probability p. It also emits a 
 acceptance with stated noise, for DSpark's planner: `--conf-hit` (default 0.85) for a draft that is the target's
 token, `--conf-miss` (0.15) for one that is not, plus Gaussian noise of deviation `--conf-noise` (0.1), clamped to
 [0.01, 0.99]. Drafting costs the host a few microseconds a sequence and nothing on the device, so the run measures
-what verification costs and gains: the target's verify steps, which run eagerly, against plain decoding's
+what verification costs and gains: the target's verify steps (replayed CUDA graphs, `VerifyGraphs`, where `LLM`
+captured them; `fixed_eager` runs them eagerly, the baseline of what the graphs gain) against plain decoding's
 replayed CUDA graphs. (A sequence whose tokens leave the reference, a near-tie the verify
 pass resolves otherwise than plain decoding, gets random drafts from there on; `diverged` counts them. In bf16 at these shapes on the H200 most sequences
 leave it within 48 tokens, and acceptance falls far below p: `--dtype float32` keeps them on it.)
@@ -47,7 +48,9 @@ from deepserve.model.speculative import Drafts, Proposer  # noqa: E402
 
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "compressed_sparse_attention"]
-METHODS = ("fixed", "dspark")
+#: fixed-k and DSpark with the target's verify steps in CUDA graphs (`VerifyGraphs`, where `LLM` captures them);
+#: `fixed_eager`: fixed-k with every verify step eager (the graphs dropped), the baseline of what the graphs gain
+METHODS = ("fixed", "dspark", "fixed_eager")
 
 
 class ControlledDrafter(Proposer):
@@ -239,7 +242,10 @@ def run(args: argparse.Namespace) -> dict:
         del llm
         gc.collect()
         for method in METHODS:
-            llm = make_llm(Path(tmp), method, args)
+            llm = make_llm(Path(tmp), method.removesuffix("_eager"), args)
+            if method.endswith("_eager"):
+                llm.runner.verify_graphs = None
+            verify_graphs = llm.runner.verify_graphs
             drafter = llm.proposer
             drafter.references = references
             for b in args.batch:
@@ -249,7 +255,9 @@ def run(args: argparse.Namespace) -> dict:
                     from deepserve.core.engine import SpecDecodeStats
 
                     stats.spec = SpecDecodeStats()
+                    graph_steps = verify_graphs.steps if verify_graphs is not None else 0
                     outs, seconds = timed_generate(llm, prompts[b], args)
+                    graph_steps = (verify_graphs.steps if verify_graphs is not None else 0) - graph_steps
                     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                     spec = stats.spec
                     steps = spec.num_seq_steps or 1
@@ -259,11 +267,12 @@ def run(args: argparse.Namespace) -> dict:
                            "vs_none": tokens / seconds / baseline[b],
                            "verified_per_step": spec.num_verified_tokens / steps,
                            "accepted_per_step": spec.num_accepted_tokens / steps,
-                           "equal_to_plain": f"{same}/{b}", "diverged": drafter.diverged}
+                           "equal_to_plain": f"{same}/{b}", "diverged": drafter.diverged,
+                           "verify_graph_steps": graph_steps}
                     record["runs"].append(run)
                     print(f"{method:8s} batch {b:3d} p {p:.1f}: {run['tok_s']:9.1f} tok/s ({run['vs_none']:.2f}x), "
                           f"verified {run['verified_per_step']:.2f} accepted {run['accepted_per_step']:.2f} a step, "
-                          f"equal to plain {same}/{b}", flush=True)
+                          f"equal to plain {same}/{b}, {graph_steps} verify steps in graphs", flush=True)
             del llm
             gc.collect()
     record["seconds"] = time.perf_counter() - began
@@ -281,15 +290,17 @@ def table(record: dict) -> str:
     """Markdown: tokens/s of each method against no speculation, per batch and p."""
     runs = record["runs"]
     none = {r["batch"]: r["tok_s"] for r in runs if r["method"] == "none"}
-    lines = ["| batch | none tok/s | p | fixed-k tok/s (x none) | DSpark tok/s (x none) | DSpark vs fixed-k |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| batch | none tok/s | p | fixed-k tok/s (x none) | DSpark tok/s (x none) | DSpark vs fixed-k | "
+             "fixed-k, eager verify (x none) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for b in sorted(none):
         for p in sorted({r["p"] for r in runs if r["method"] != "none"}):
             got = {r["method"]: r["tok_s"] for r in runs if r["batch"] == b and r.get("p") == p}
             fixed, dspark = got.get("fixed"), got.get("dspark")
             cell = lambda v: f"{v:,.0f} ({v / none[b]:.2f}x)" if v else "-"  # noqa: E731
             rel = f"{100 * (dspark / fixed - 1):+.1f}%" if fixed and dspark else "-"
-            lines.append(f"| {b} | {none[b]:,.0f} | {p} | {cell(fixed)} | {cell(dspark)} | {rel} |")
+            lines.append(f"| {b} | {none[b]:,.0f} | {p} | {cell(fixed)} | {cell(dspark)} | {rel} | "
+                         f"{cell(got.get('fixed_eager'))} |")
     return "\n".join(lines)
 
 

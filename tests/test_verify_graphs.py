@@ -2,8 +2,8 @@
 eagerly on the CPU reference backend: logits of every row and every row a sequence owns equal the paged verify
 path's, bit for bit, over random steps of several widths whose rows close compressed blocks (several per CSA
 stream), wrap the window and pad up to every bucket, each followed by a rollback to a random number of kept tokens
-(through the journals the static step fills) or a commit, and later steps on the rolled-back state. Steps it
-cannot take go eager. Through the engine, greedy tokens with verify graphs equal eager speculation's and plain
+(through the journals the static step fills) or a commit, and later steps on the rolled-back state; chunks with fewer
+tokens are padded up to the width and rolled back past the padding. Steps it cannot take go eager. Through the engine, greedy tokens with verify graphs equal eager speculation's and plain
 decoding's. Capture and replay themselves need a GPU (tests/gpu/test_spec_graphs_gpu.py)."""
 
 from __future__ import annotations
@@ -53,30 +53,33 @@ def test_static_verify_equals_paged_verify(model, width, seed):
     used = set()
     for step in range(steps):
         which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))
-        tokens = [[rng.randrange(2, 258) for _ in range(width)] for _ in which]
-        kept = [rng.randrange(1, width + 1) for _ in which]
+        # every other step full width; else each sequence 1 to width tokens (DSpark's plans), padded up to width
+        lengths = [width if step % 2 else rng.randrange(1, width + 1) for _ in which]
+        tokens = [[rng.randrange(2, 258) for _ in range(n)] for n in lengths]
+        kept = [rng.randrange(1, n + 1) for n in lengths]
         logits = []
         for k, cache in enumerate(caches):
             states = [seqs[i][k] for i in which]
             starts = [st.num_tokens for st in states]
-            undo = [SequenceUndo(st, s, width) for st, s in zip(states, starts)]
-            batch = make_batch(tokens, starts, "cpu", logits_rows=[range(width)] * len(which))
-            if k == 0:
+            batch = make_batch(tokens, starts, "cpu", logits_rows=[range(n) for n in lengths])
+            if k == 0:  # the eager pass covers each chunk, the graph's its width
+                undo = [SequenceUndo(st, s, n) for st, s, n in zip(states, starts, lengths)]
                 logits.append(model(batch, states).logits)
             else:
                 assert graphs.supports(batch, states)
+                undo = graphs.begin(batch, states)
                 logits.append(graphs.forward(batch, states).logits)
             for u, s, a in zip(undo, starts, kept):
-                u.rollback(s + a) if a < width else u.commit()
+                u.rollback(s + a) if s + a < u.start + u.length else u.commit()
         assert torch.equal(logits[0], logits[1]), f"step {step}"
         for a, b in seqs:
             assert a.num_tokens == b.num_tokens
             for la, lb in zip(a.layers, b.layers):
                 for ca, cb in ((la.compressor, lb.compressor), (la.indexer, lb.indexer)):
                     if ca is not None:
-                        assert ca.rows.num_rows == cb.rows.num_rows and cb.journal is None
+                        assert ca.rows.num_rows == cb.rows.num_rows and ca.journal is None
         used.update(graphs._buckets)
-    _owned_equal(*caches)
+    _owned_equal(*caches, tokens={a.layers[0].slot: a.num_tokens for a, _ in seqs})
     assert len({s for s, _ in used}) >= 3  # several sequence buckets, padding sequences among them
     # and plain decode steps after the rolled-back passes agree too
     for k, cache in enumerate(caches):
@@ -94,14 +97,30 @@ def test_static_verify_declines_what_it_cannot_run(model):
     states = [cache.new_sequence(t)[0] for t in tables]
     for st in states:
         model(make_batch([[5, 6, 7]], [0], "cpu"), [st])
-    for st in states[:2]:
-        SequenceUndo(st, 3, 3)
     assert graphs.supports(make_batch([[1, 2, 3], [2, 3, 4]], [3, 3], "cpu"), states[:2])
-    assert not graphs.supports(make_batch([[1, 2], [2, 3, 4]], [3, 3], "cpu"), states[:2])  # another width
+    assert graphs.supports(make_batch([[1, 2], [2]], [3, 3], "cpu"), states[:2])  # fewer drafts: padded
+    assert not graphs.supports(make_batch([[1, 2, 3, 4], [2]], [3, 3], "cpu"), states[:2])  # past the width
     assert not graphs.supports(make_batch([[1, 2, 3]] * 3, [3, 3, 3], "cpu"), states)  # past max_batch
-    assert not graphs.supports(make_batch([[1, 2, 3]], [3], "cpu"), states[2:])  # no undo taken; table too wide
+    assert not graphs.supports(make_batch([[1, 2, 3]], [3], "cpu"), states[2:])  # a table past max_pages
     far = make_batch([[1, 2, 3]], [PAGE - 1], "cpu", snapshots=[[(PAGE, 0)]])
     assert not graphs.supports(far, states[:1])  # a page boundary (its snapshot) inside the chunk
+    cache.free_sequence(2)
+    short = cache.new_sequence([7])[0]
+    model(make_batch([list(range(2, PAGE - 1))], [0], "cpu"), [short])
+    assert not graphs.supports(make_batch([[1]], [PAGE - 2], "cpu"), [short])  # the padded end has no page
+    batch = make_batch([[1, 2, 3], [2, 3, 4]], [3, 3], "cpu")
+    with pytest.raises(RuntimeError, match="begin"):  # no handles taken for the step
+        graphs.forward(batch, states[:2])
+    handles = graphs.begin(batch, states[:2])
+    graphs.forward(batch, states[:2])
+    with pytest.raises(ValueError, match="cannot roll back to 3"):
+        handles[0].rollback(3)  # the base token is always kept
+    handles[0].rollback(5)
+    with pytest.raises(RuntimeError, match="reported already"):
+        handles[0].commit()
+    assert [st.num_tokens for st in states[:2]] == [3, 3]  # counts move once every sequence has reported
+    handles[1].commit()
+    assert [st.num_tokens for st in states[:2]] == [5, 6]
     with pytest.raises(ValueError, match="width"):
         VerifyGraphs(model, cache, max_batch=2, max_pages=2, width=1, capture=False)
     with pytest.raises(ValueError, match="window"):
@@ -113,8 +132,7 @@ def test_static_verify_declines_what_it_cannot_run(model):
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
 def test_engine_with_verify_graphs_equals_eager_speculation(tmp_path, method):
     """Greedy and seeded sampled requests: the same tokens with verify steps through the static forward as with
-    eager verify steps (and, greedy, as plain decoding); MTP's steps of k drafts all take it, DSpark's planned
-    draft counts only where they agree."""
+    eager verify steps (and, greedy, as plain decoding); DSpark's planned draft counts padded up to the width."""
     from deepserve import LLM, SamplingParams
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
@@ -130,11 +148,11 @@ def test_engine_with_verify_graphs_equals_eager_speculation(tmp_path, method):
         if name == "graphs":
             llm.runner.verify_graphs = VerifyGraphs(llm.model, llm.cache, 4, 4, width=4, capture=False)
             forward = llm.runner.verify_graphs.forward
-            llm.runner.verify_graphs.forward = lambda b, s: calls.append(len(s)) or forward(b, s)
+            llm.runner.verify_graphs.forward = lambda b, s: calls.append([c.length for c in b.chunks]) or forward(b, s)
         params = [greedy, greedy, sampled]
         outs[name] = [o.outputs[0].token_ids for o in
                       llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
-    assert len(calls) > 3
+    assert len(calls) > 3 and any(min(lengths) < 4 for lengths in calls)  # some padded (drafts cut by max_tokens)
     assert outs["graphs"] == outs["eager"]
     assert outs["graphs"][:2] == outs["plain"][:2]

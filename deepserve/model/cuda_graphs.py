@@ -223,18 +223,23 @@ class DecodeGraphs:
         return bucket
 
     def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on the padding rows (compiles and tunes the kernels for these shapes: nothing may compile
-        inside a capture), then record the static forward."""
+        """Record the bucket's static forward."""
+        bucket.graph, bucket.output = self._record(lambda: self.model(bucket.batch, layout=bucket.layout))
+
+    def _record(self, body):
+        """(graph, what `body` returns) with `body`'s launches captured in the graphs' shared pool, after two warm-up
+        runs on a side stream (they compile and tune the kernels for these shapes: nothing may compile inside a
+        capture; the buckets' buffers hold padding rows then, whose writes touch nothing a sequence owns)."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(bucket.batch, layout=bucket.layout)
+                body()
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bucket.output = self.model(bucket.batch, layout=bucket.layout)
-        bucket.graph = graph
+            result = body()
+        return graph, result

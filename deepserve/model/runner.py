@@ -157,8 +157,12 @@ class ModelRunner(ModelExecutor):
         batch = make_batch([self._known_ids(c) for c in chunks], [c.start for c in chunks], self.device,
                            logits_rows=rows, snapshots=[c.snapshots for c in chunks])
         batch = self._fill_placeholders(batch, chunks)
-        undo = {i: self._undo(states[i], c) for i, c in enumerate(chunks) if c.num_draft_tokens}
-        forward = self._forward(batch, states, rows)
+        if self._verify_graph_step(batch, states, chunks):  # one handle a chunk; the rollback runs batched
+            undo = dict(enumerate(self.verify_graphs.begin(batch, states)))
+            forward = self.verify_graphs.forward(batch, states)
+        else:
+            undo = {i: self._undo(states[i], c) for i, c in enumerate(chunks) if c.num_draft_tokens}
+            forward = self._forward(batch, states, rows)
         logits = forward.logits
         last_rows = [n - 1 for n in itertools.accumulate(map(len, rows))]  # each chunk's last logits row
         out = StepOutput()
@@ -190,17 +194,14 @@ class ModelRunner(ModelExecutor):
         return out
 
     def _forward(self, batch, states, rows) -> ForwardOutput:
-        """The step's forward. A decode step replays a CUDA graph when `graphs` takes it, a verify step when
-        `verify_graphs` does. A mixed step (decode tokens beside prompt chunks: a request arriving while others
+        """The step's forward (a verify step that `verify_graphs` takes runs there instead). A decode step
+        replays a CUDA graph when `graphs` takes it. A mixed step (decode tokens beside prompt chunks: a request arriving while others
         decode) runs as two forwards, its one-token chunks (a graph, or the batched paged decode path) and the
         rest, instead of sending every decode token down the per-sequence path that long chunks need; the logits
         come back in chunk order. With a proposer the step stays whole (the drafter reads every chunk's streams)."""
         graphs = self.graphs
         if graphs is not None and graphs.supports(batch, states):
             return graphs.forward(batch, states)
-        verify = self.verify_graphs  # (after the undo of each verifying chunk: the static step fills its journals)
-        if verify is not None and verify.supports(batch, states):
-            return verify.forward(batch, states)
         single = [i for i, c in enumerate(batch.chunks) if c.length == 1]
         rest = [i for i, c in enumerate(batch.chunks) if c.length != 1]
         if self.proposer is not None or len(single) < 2 or not rest:
@@ -220,6 +221,14 @@ class ModelRunner(ModelExecutor):
         logits[to_device([start[i] + j for i in rest for j in range(len(rows[i]))], torch.long, self.device)] = \
             others.logits
         return ForwardOutput(streams=None, logits=logits)
+
+    def _verify_graph_step(self, batch, states, chunks) -> bool:
+        """Whether `verify_graphs` runs this step: every chunk a sampled token and its drafts (k or fewer, padded
+        up to the graph's width), none scoring its prompt, and the graphs able to take it."""
+        verify = self.verify_graphs
+        return verify is not None and all(c.samples and not c.prompt_targets and len(c.token_ids) ==
+                                          1 + c.num_draft_tokens for c in chunks) \
+            and any(c.num_draft_tokens for c in chunks) and verify.supports(batch, states)
 
     def _undo(self, state: SequenceState, chunk: ChunkInput) -> SequenceUndo:
         """The undo of a verifying chunk's pass, taken before it (a model with another state brings its own)."""

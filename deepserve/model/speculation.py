@@ -100,10 +100,12 @@ class Speculation:
             kept[i] = len(c.token_ids) - k + a
             if k:
                 out.num_accepted[c.request_id] = a
-                if a < k:
-                    undo[i].rollback(c.start + kept[i])
+            u = undo.get(i)  # (a verify graph's pass may cover more than the chunk: padding rows to roll back)
+            if u is not None:
+                if c.start + kept[i] < u.start + u.length:
+                    u.rollback(c.start + kept[i])
                 else:
-                    undo[i].commit()
+                    u.commit()
         plain = [n for n, k in enumerate(num_drafts) if not k]  # logprobs: requests that ask for them never draft
         if plain:
             raw = logits[torch.tensor([last_rows[sampling[n]] for n in plain], device=self.runner.device)]

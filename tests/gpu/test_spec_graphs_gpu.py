@@ -91,13 +91,13 @@ def test_chain_replay_matches_its_static_forward(demo_dir):
 @pytest.mark.parametrize("which", ["demo", "flash"])
 @torch.inference_mode()
 def test_verify_replay_matches_its_static_forward(request, which):
-    """The target's verify steps (`verify_graphs`): each bucket's replay against the same static forward run
-    eagerly, over random steps of 1 + 4 tokens a sequence, each followed by a rollback to a random kept count."""
+    """The target's verify steps (`verify_graphs`): each bucket's replays (the pass, then the rollback) against the
+    same static forward and rollback run eagerly, over random steps of 1 + 4 tokens a sequence, each rolled back to
+    a random kept count."""
     from deepserve.backends.nvidia import NvidiaBackend
     from deepserve.model.batch import make_batch
     from deepserve.model.factory import load_model
     from deepserve.model.kv_cache import PagedKVCache
-    from deepserve.model.speculative import SequenceUndo
     from deepserve.model.verify_graphs import VerifyGraphs
 
     dtype = "float32" if which == "demo" else "bfloat16"
@@ -124,13 +124,18 @@ def test_verify_replay_matches_its_static_forward(request, which):
         for c in range(2):
             sts = [states[c][i] for i in which_seqs]
             starts = [st.num_tokens for st in sts]
-            undo = [SequenceUndo(st, s, width) for st, s in zip(sts, starts)]
             batch = make_batch(tokens, starts, "cuda:0", logits_rows=[range(width)] * len(sts))
             assert graphs[c].supports(batch, sts)
+            undo = graphs[c].begin(batch, sts)
             logits.append(graphs[c].forward(batch, sts).logits.clone())
             for u, s, a in zip(undo, starts, kept):
                 u.rollback(s + a) if a < width else u.commit()
         assert torch.equal(logits[0], logits[1]), f"step {step}"
+    for x, y in zip(caches[0].layers, caches[1].layers):  # the rollbacks' replays left the same rings and pages
+        assert torch.equal(x.window[:num_slots], y.window[:num_slots])
+        for sx, sy in ((x.compressor, y.compressor), (x.indexer, y.indexer)):
+            if sx is not None:
+                assert torch.equal(sx.rows[: 8 * num_slots], sy.rows[: 8 * num_slots])
 
 
 def _generate(path, dtype, spec, eager, prompts, max_tokens, max_num_seqs):
