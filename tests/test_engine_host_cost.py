@@ -5,6 +5,9 @@ reporting for callers that read only the end (`LLM.generate`), and snapshots hol
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from deepserve import LLM, SamplingParams
@@ -118,3 +121,73 @@ def test_view_snapshots_equal_copies_and_keep_their_content(llm):
         assert isinstance(b.token_ids, Prefix) != viewed.finished  # views while running, lists at the end
     final = steps[-1][1].outputs[0]
     assert type(final.token_ids) is list and type(final.logprobs) is list and len(final.token_ids) == 12
+
+
+def test_final_only_text_is_decoded_once_and_equals_the_streamed_text():
+    """A final-only request without stop strings is detokenized once, when it finishes (not two decodes a token
+    every step), to the text the streamed deltas join to: over random ids with raw bytes that break UTF-8
+    characters (a held-back tail: kept when the request ends by length, dropped when EOS ends it), special ids,
+    several tokens a step (kept drafts), and the decode-once path's fallback."""
+    import random
+
+    from deepserve.core.config import ModelConfig
+    from deepserve.core.engine import EngineCore
+    from deepserve.core.interfaces import ModelExecutor, StepOutput
+    from deepserve.core.kv.manager import KVCacheManager
+    from deepserve.core.scheduler.cost_model import CostModelConfig, StepCostModel
+    from deepserve.core.scheduler.scheduler import Scheduler
+    from deepserve.core.tracking import RequestTracker
+    from deepserve.core.env import default_model_dir
+    from deepserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_chars
+
+    model_dir = Path(default_model_dir())
+    cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    tokenizer = Tokenizer(model_dir, cfg)
+    eos = cfg.eos_token_ids[0]
+    lead_byte = tokenizer.token_to_id(_byte_chars()[0xE2])  # the first byte of a three-byte UTF-8 character
+
+    class Scripted(ModelExecutor):
+        """Each request's next id from its script (request ids name the script)."""
+
+        num_free_slots, num_active_sequences = 64, 0
+
+        def __init__(self, scripts):
+            self.scripts, self.at = scripts, {}
+
+        def execute(self, step):
+            out = StepOutput()
+            for c in step.chunks:
+                if c.samples:
+                    i = self.at.get(c.request_id, 0)
+                    self.at[c.request_id] = i + 1
+                    out.sampled[c.request_id] = self.scripts[c.request_id][i]
+            return out
+
+    rng = random.Random(3)
+    scripts = {}
+    for i in range(40):
+        ids = [rng.choice([rng.randrange(2, 300), rng.randrange(2, cfg.vocab_size)]) for _ in range(rng.randrange(1, 24))]
+        if i % 4 < 2:
+            ids[-1] = lead_byte  # the text ends in an unfinished character
+        scripts[str(i)] = ids + ([eos] if i % 2 else [])
+    texts = {}
+    for final_only in (False, True):
+        kv = KVCacheManager(256, 128, False)
+        scheduler = Scheduler(kv, StepCostModel(CostModelConfig()), 64, 4096, 1024, cfg.eos_token_ids)
+        engine = EngineCore(scheduler, Scripted(scripts), page_size=128,
+                            make_detokenizer=lambda ids, skip: IncrementalDetokenizer(tokenizer, ids, skip))
+        for rid, ids in scripts.items():
+            eos_ends = ids[-1] == eos
+            engine.add_request(rid, [5, 6, 7], SamplingParams(temperature=0, max_tokens=len(ids),
+                                                              ignore_eos=not eos_ends), final_only=final_only)
+        deferred = [t.deferred for t in engine._trackers.values()]
+        assert all(deferred) == final_only and isinstance(next(iter(engine._trackers.values())), RequestTracker)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    texts.setdefault(final_only, {})[out.request_id] = (out.outputs[0].text,
+                                                                        out.outputs[0].finish_reason)
+        engine.shutdown()
+    assert texts[True] == texts[False]
+    assert {reason for _, reason in texts[True].values()} == {"stop", "length"}
+    assert any(t.endswith("\ufffd") for t, _ in texts[True].values())  # a tail the length finish flushed

@@ -45,7 +45,7 @@ class RequestTracker:
 
     __slots__ = ("request", "prompt", "prompt_ids", "seed", "detok", "stops", "num_seen", "logprobs",
                  "cumulative_logprob", "prompt_logprobs", "stop_match", "flushed", "grammar", "final_only", "views",
-                 "reads_output_history")
+                 "reads_output_history", "deferred", "num_text_tokens")
 
     def __init__(self, request: Request, prompt: str | None, seed: int, detok, stops: StopStringTracker,
                  final_only: bool = False, views: bool = False) -> None:
@@ -65,6 +65,10 @@ class RequestTracker:
         self.flushed = False
         self.grammar: GrammarState | None = None
         self.reads_output_history = params.reads_output_history  # asked every step: a property over lists
+        # reported once, when it finishes, and no stop string to look for: the text is decoded then, in one call,
+        # instead of two decodes a token every step (`num_text_tokens`: the output tokens that make text)
+        self.deferred = final_only and detok is not None and not stops.stop
+        self.num_text_tokens = 0
 
     def absorb(self, logprobs: PositionLogprobs | None, sampled_logprob: float | None) -> bool:
         """Take the token the scheduler just appended (if it did). True when there was one."""
@@ -84,10 +88,25 @@ class RequestTracker:
         # the last token of a request finished by it (EOS, a stop id) adds no text
         if seen == len(output) and request.finish_reason == "stop" and not params.include_stop_str_in_output:
             return True
+        if self.deferred:
+            self.num_text_tokens = seen
+            return True
         match = self.stops.append(self.detok.add(token), check=seen > params.min_tokens)
         if match is not None:
             self.stop_match = match
         return True
+
+    def _deferred_text(self, token_ids: list[int]) -> str:
+        """What the per-token deltas of `token_ids` would have joined to: one decode, unless the text ends in an
+        unfinished UTF-8 character (U+FFFD), which the detokenizer then holds back whole; then token by token, so
+        that exactly the same tail is held back (a request finished by EOS does not flush it)."""
+        detok = self.detok
+        text = detok.add(token_ids)
+        if text or not detok.tokenizer.decode(detok.token_ids[detok.prefix_offset :],
+                                              detok.skip_special_tokens).endswith("\ufffd"):
+            return text
+        del detok.token_ids[len(detok.token_ids) - len(token_ids) :]
+        return "".join(detok.add(t) for t in token_ids)
 
     def add_prompt_logprobs(self, start: int, entries: list[PositionLogprobs]) -> None:
         """Entry j is the logprob of prompt token `start + 1 + j` (a recomputation after preemption overwrites
@@ -100,6 +119,8 @@ class RequestTracker:
         finished = request.finish_reason is not None
         if finished and not self.flushed:
             self.flushed = True
+            if self.deferred and self.num_text_tokens:
+                self.stops.append(self._deferred_text(request.output_token_ids[: self.num_text_tokens]), check=False)
             # a grammar's end is text the user wants whole, held-back bytes included
             grammar_end = self.grammar is not None and request.stop_reason is None
             if self.detok is not None and self.stop_match is None and (request.finish_reason != "stop" or grammar_end):

@@ -86,10 +86,13 @@ def make_batch(
         if any(not start < b <= start + n for b, _ in snaps):
             raise ValueError(f"sequence {i}: snapshot boundaries {snaps} outside ({start}, {start + n}]")
         chunks.append(SeqChunk(offset=offset, start=int(start), length=n, snapshots=snaps))
-        ids.extend(int(t) for t in tokens)
+        ids.extend(map(int, tokens))
         pos.extend(range(start, start + n))
-        rows = [n - 1] if logits_rows is None else list(logits_rows[i])
-        want.extend(offset + r for r in rows)
+        rows = (n - 1,) if logits_rows is None else logits_rows[i]
+        if type(rows) is range and rows.step == 1:  # (the runner's: each chunk's last rows, or all of them)
+            want.extend(range(offset + rows.start, offset + rows.stop))
+        else:
+            want.extend(offset + r for r in rows)
         offset += n
     n = len(ids)
     flat = to_device(ids + pos + want, torch.long, device)  # one host-to-device copy for the three index tensors

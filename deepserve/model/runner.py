@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ from .speculation import Speculation
 from .speculative import Proposer, RowSampling, SequenceUndo
 from .state import SequenceState
 from .verify_graphs import VerifyGraphs
+
+
+_ONE_PLACEHOLDER, _ZERO = (PLACEHOLDER,), (0,)
 
 
 @dataclass(slots=True)
@@ -240,25 +244,35 @@ class ModelRunner(ModelExecutor):
             table = list(chunk.block_table)
             state, slot = self.cache.new_sequence(table, chunk.start)
             seq = self._seqs[chunk.request_id] = _Seq(state, slot, table)
-        else:
+        elif len(chunk.block_table) > len(seq.table):
             seq.table.extend(chunk.block_table[len(seq.table):])
         return seq.state
 
     @staticmethod
-    def _known_ids(chunk: ChunkInput) -> list[int]:
-        return [0 if t == PLACEHOLDER else t for t in chunk.token_ids]
+    def _known_ids(chunk: ChunkInput) -> Sequence[int]:
+        ids = chunk.token_ids
+        if ids == _ONE_PLACEHOLDER:  # a decode step's token: the last step's sample, filled on the device
+            return _ZERO
+        return [0 if t == PLACEHOLDER else t for t in ids]
 
     def _fill_placeholders(self, batch, chunks):
+        """The batch's placeholder ids from the previous step's samples, on the device: one copy when a decode
+        step's rows are the previous step's samples in order (the common case), else one gather."""
         where = [(c_offset.offset + j, c.request_id) for c, c_offset in zip(chunks, batch.chunks)
-                 for j, t in enumerate(c.token_ids) if t == PLACEHOLDER]
+                 if PLACEHOLDER in c.token_ids for j, t in enumerate(c.token_ids) if t == PLACEHOLDER]
         if not where:
             return batch
         if self._prev is None:
             raise RuntimeError("a step holds placeholder tokens but no step before it sampled any")
         tokens, row_of = self._prev
-        positions = to_device([p for p, _ in where], torch.long, self.device)
-        sources = to_device([row_of[r] for _, r in where], torch.long, self.device)
-        batch.token_ids[positions] = tokens[sources]
+        positions = [p for p, _ in where]
+        sources = [row_of[r] for _, r in where]
+        n = len(positions)
+        if n == batch.num_tokens == tokens.shape[0] and positions == sources == list(range(n)):
+            batch.token_ids.copy_(tokens)
+            return batch
+        index = to_device(positions + sources, torch.long, self.device)
+        batch.token_ids[index[:n]] = tokens[index[n:]]
         return batch
 
     @staticmethod

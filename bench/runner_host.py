@@ -1,0 +1,137 @@
+"""Host milliseconds of a decode step through `LLM.generate`, the model runner included, with the device's work
+taken out: can the engine and the runner together keep a GPU busy?
+
+    python bench/runner_host.py [--batches 1,64,256] [--steps 60] [--generated 0,1000] [--out FILE]
+    python bench/runner_host.py --baseline /tmp/old --repeats 3 ...   # an older tree's package too, alternately
+
+bench/engine_host.py times `EngineCore.step()` over an executor that returns its samples at once, so it leaves out
+the runner's thread: resolving each chunk's state, building the batch, filling the placeholders from the last
+step's samples, the decode graph's inputs, sampling, the read-back. Here the real `ModelRunner` runs, over the
+demo checkpoint (a tiny V4 of vocabulary 258) in a paged cache, with its decode steps taken by `DecodeGraphs`
+(`capture=False`) whose static forward is replaced by a stand-in that returns logits of the right shape at once
+(greedy: one byte's id highest in every row). So a step's wall time is the host's work on both threads
+(the engine's, the runner's; they share one GIL), with asynchronous scheduling as `LLM` runs it, and the small
+vocabulary keeps sampling's arithmetic negligible, as it is on a GPU. Requests are `LLM.generate`'s (final
+outputs only; no stop strings), greedy, `ignore_eos`. Reports the median step over the timed decode steps, after
+`--generated` tokens of each request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` measures that tree's package
+
+
+def measure(batch: int, steps: int, generated: int, checkpoint: Path) -> float:
+    """Median milliseconds of `EngineCore.step()` over `steps` decode steps of `batch` requests, each having
+    generated `generated` tokens before."""
+    import torch
+
+    from deepserve import LLM, SamplingParams
+    from deepserve.model.cuda_graphs import DecodeGraphs
+    from deepserve.model.deepseek_v4 import ForwardOutput
+
+    torch.set_num_threads(1)
+    pages = -(-(16 + generated + steps + 16) // 128)
+    llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=batch, block_size=128, max_model_len=pages * 128,
+              load_plugins=False, enable_prefix_caching=False)
+    graphs = llm.runner.graphs = DecodeGraphs(llm.model, llm.cache, batch, pages, capture=False)
+    model, vocab = graphs.model, llm.model.cfg.vocab_size
+    logits = torch.zeros(batch, vocab)
+    logits[:, 100] = 1.0  # a byte's id: text every token
+
+    class Instant:  # the static forward's stand-in: the graph's outputs at once
+        backend, main_state_owner = model.backend, model.main_state_owner
+        state_owners = model.state_owners
+
+        def __call__(self, fb, layout=None):
+            n = fb.token_ids.shape[0]
+            return ForwardOutput(streams=logits[:n, None, :1], logits=logits[:n])
+
+    graphs.model = Instant()
+    prompts = [{"prompt_token_ids": [2 + i % 250, 3, 4, 5, 6, 7, 8, 9]} for i in range(batch)]
+    times: list[float] = []
+    step = llm.engine.step
+
+    def timed():
+        began = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - began)
+        return out
+
+    llm.engine.step = timed
+    total = generated + steps + 2
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=total, ignore_eos=True), use_tqdm=False)
+    # the steps after `generated` decode steps (the first step or two hold the prompts), short of the last two
+    decode = times[-(steps + 2) : -2]
+    return 1e3 * statistics.median(decode)
+
+
+def compare(args) -> dict:
+    """Each case `repeats` times with the baseline package and with this one, alternately, in child processes;
+    the fastest of each, and their ratio."""
+    trees = {"baseline": str(args.baseline.resolve()), "current": ""}
+    res = {"python": sys.version.split()[0], "steps": args.steps, "repeats": args.repeats,
+           "baseline": trees["baseline"], "ms_per_step": {}}
+    for gen, b in itertools.product(args.generated.split(","), args.batches.split(",")):
+        runs: dict[str, list[float]] = {"baseline": [], "current": []}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    env = {**os.environ, "PYTHONPATH": tree} if tree else \
+                        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                    subprocess.run([sys.executable, __file__, "--batches", b, "--generated", gen, "--steps",
+                                    str(args.steps), "--out", f.name], env=env, check=True, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+                    runs[name].append(next(iter(json.loads(Path(f.name).read_text())["ms_per_step"].values()))["ms"])
+        old, new = min(runs["baseline"]), min(runs["current"])
+        res["ms_per_step"][f"{b}+{gen}"] = {"batch": int(b), "generated": int(gen), "baseline": old, "current": new,
+                                           "speedup": old / new, "runs": runs}
+        print(f"batch {int(b):4d}, {int(gen):5d} generated: {old:.3f} -> {new:.3f} ms a step ({old / new:.2f}x)",
+              flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1, help="with --baseline: runs of each case (the fastest counts)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a tree holding the old package (`git archive REV deepserve | tar -x -C DIR`), measured "
+                         "alternately with this one in child processes")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.baseline is not None:
+        res = compare(args)
+    else:
+        import deepserve
+        from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+        res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent),
+               "steps": args.steps, "ms_per_step": {}}
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2)
+            for gen, b in itertools.product(map(int, args.generated.split(",")), map(int, args.batches.split(","))):
+                ms = measure(b, args.steps, gen, checkpoint)
+                res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "ms": ms}
+                print(f"batch {b:4d}, {gen:5d} generated: {ms:.3f} ms a step ({1e3 * ms / b:.1f} us a request)",
+                      flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
