@@ -91,13 +91,23 @@ def measure(batch: int, steps: int, stop: list[str] | None, tokenizer, cfg, prom
     return 1e3 * statistics.median(times)
 
 
-def compare(args) -> None:
-    """Each case `repeats` times with the baseline package and with this one, alternately (so a burst of load
-    elsewhere hits both alike); the fastest of each, and their ratio."""
+def child_result(script: str, argv: list[str], tree: str) -> dict:
+    """Run `script argv --out FILE` in a child process with the package of `tree` (`PYTHONPATH`; "" for this
+    tree's own) and return the JSON it wrote."""
     import os
     import subprocess
     import tempfile
 
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = {**os.environ, "PYTHONPATH": tree} if tree else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        subprocess.run([sys.executable, script, *argv, "--out", f.name], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(Path(f.name).read_text())
+
+
+def compare(args) -> None:
+    """Each case `repeats` times with the baseline package and with this one, alternately (so a burst of load
+    elsewhere hits both alike); the fastest of each, and their ratio."""
     trees = {"baseline": str(args.baseline.resolve()), "current": ""}
     res = {"python": sys.version.split()[0], "steps": args.steps, "repeats": args.repeats, "baseline": trees["baseline"],
            "ms_per_step": {}}
@@ -105,13 +115,9 @@ def compare(args) -> None:
         runs: dict[str, list[dict]] = {"baseline": [], "current": []}
         for _ in range(args.repeats):
             for name, tree in trees.items():
-                with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                    env = {**os.environ, "PYTHONPATH": tree} if tree else \
-                        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-                    subprocess.run([sys.executable, __file__, "--batches", b, "--prompt-lens", n, "--generated", gen,
-                                    "--steps", str(args.steps), "--out", f.name], env=env, check=True,
-                                   stdout=subprocess.DEVNULL)
-                    runs[name].append(next(iter(json.loads(Path(f.name).read_text())["ms_per_step"].values())))
+                res_child = child_result(__file__, ["--batches", b, "--prompt-lens", n, "--generated", gen, "--steps",
+                                                    str(args.steps)], tree)
+                runs[name].append(next(iter(res_child["ms_per_step"].values())))
         row = {"batch": int(b), "prompt_len": int(n), "generated": int(gen)}
         for mode in ("streaming", "streaming_views", "stop_strings", "final_only"):
             old, new = (min(r[mode] for r in runs[name]) for name in ("baseline", "current"))

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` measures that tree's package
+sys.path.append(str(ROOT / "bench"))
+
+from engine_host import child_result  # noqa: E402  (the child-process runner both host benchmarks use)
 
 
 def measure(batch: int, steps: int, generated: int, checkpoint: Path) -> float:
@@ -88,13 +89,9 @@ def compare(args) -> dict:
         runs: dict[str, list[float]] = {"baseline": [], "current": []}
         for _ in range(args.repeats):
             for name, tree in trees.items():
-                with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                    env = {**os.environ, "PYTHONPATH": tree} if tree else \
-                        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-                    subprocess.run([sys.executable, __file__, "--batches", b, "--generated", gen, "--steps",
-                                    str(args.steps), "--out", f.name], env=env, check=True, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-                    runs[name].append(next(iter(json.loads(Path(f.name).read_text())["ms_per_step"].values()))["ms"])
+                res_child = child_result(__file__, ["--batches", b, "--generated", gen, "--steps", str(args.steps)],
+                                         tree)
+                runs[name].append(next(iter(res_child["ms_per_step"].values()))["ms"])
         old, new = min(runs["baseline"]), min(runs["current"])
         res["ms_per_step"][f"{b}+{gen}"] = {"batch": int(b), "generated": int(gen), "baseline": old, "current": new,
                                            "speedup": old / new, "runs": runs}

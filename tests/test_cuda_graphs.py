@@ -100,20 +100,9 @@ def _check_static_equals_paged(model, seed, steps=40, batch_sizes=None):
     if batch_sizes is not None:  # made ahead, as the engine does at start-up: no step makes one
         made = graphs.warm_up(progress=False)
         assert made == len(graphs.batch_buckets) * len(graphs.page_buckets) and graphs.warm_up(progress=False) == 0
-    seqs, next_page = [], 0
-    for i in range(num_slots):  # prompts that end just before compression and page boundaries, or anywhere
-        n = rng.choice([1, 3, 15, 16, 62, 63, 64, rng.randrange(1, 200)])
-        table = []
-        while len(table) * PAGE < n + 40:
-            table.append(next_page)
-            next_page += 1
-        prompt = [rng.randrange(2, 258) for _ in range(n)]
-        states = []
-        for cache in caches:
-            st = cache.new_sequence(table)[0]
-            model(make_batch([prompt], [0], "cpu", snapshots=[_snaps(table, 0, n)]), [st])
-            states.append(st)
-        seqs.append((table, states))
+    # prompts that end just before compression and page boundaries, or anywhere
+    seqs = prefilled(model, caches, rng, num_slots, lambda: rng.choice([1, 3, 15, 16, 62, 63, 64, rng.randrange(1, 200)]),
+                     room=40, snapshots=True)
     used_buckets, warm = set(), set(graphs._buckets)
     for step in range(steps):
         which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))  # random subsets, random order
@@ -158,6 +147,27 @@ def test_cuda_graph_sizes_are_made_at_start_and_steps_pad_up_to_them(model):
     for bad in ([], [0], [2, -1], 4, [True]):
         with pytest.raises(ValueError, match="cuda_graph_sizes"):
             EngineConfig(cuda_graph_sizes=bad)
+
+
+def prefilled(model, caches, rng, count: int, length, room: int, snapshots: bool = False) -> list:
+    """`count` sequences with the same random prompt (`length()` tokens) in every cache, their pages (`room`
+    tokens past the prompt) shared: [(table, [state per cache])]. `snapshots`: the prompts save their page
+    boundaries' snapshots."""
+    seqs, next_page = [], 0
+    for _ in range(count):
+        n = length()
+        table = []
+        while len(table) * PAGE < n + room:
+            table.append(next_page)
+            next_page += 1
+        prompt = [rng.randrange(2, 258) for _ in range(n)]
+        states = []
+        for cache in caches:
+            st = cache.new_sequence(table)[0]
+            model(make_batch([prompt], [0], "cpu", snapshots=[_snaps(table, 0, n)] if snapshots else None), [st])
+            states.append(st)
+        seqs.append((table, states))
+    return seqs
 
 
 def _snaps(table, start, n):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tiny
-from test_cuda_graphs import _owned_equal
+from test_cuda_graphs import _owned_equal, prefilled
 
 from deepserve.model.batch import make_batch
 from deepserve.model.kv_cache import PagedKVCache
@@ -36,20 +36,10 @@ def test_static_verify_equals_paged_verify(model, width, seed):
     num_slots, num_pages, steps = 6, 60, 14
     caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
     graphs = VerifyGraphs(model, caches[1], max_batch=num_slots, max_pages=5, width=width, capture=False)
-    seqs, next_page = [], 0
-    for _ in range(num_slots):  # prompts that end just before compression and window boundaries, or anywhere
-        n = rng.choice([1, 3, 15, 16, 17, 62, rng.randrange(1, 150)])
-        table = []
-        while len(table) * PAGE < n + steps * width:
-            table.append(next_page)
-            next_page += 1
-        prompt = [rng.randrange(2, 258) for _ in range(n)]
-        states = []
-        for cache in caches:
-            st = cache.new_sequence(table)[0]
-            model(make_batch([prompt], [0], "cpu"), [st])
-            states.append(st)
-        seqs.append(states)
+    # prompts that end just before compression and window boundaries, or anywhere
+    seqs = [states for _, states in prefilled(model, caches, rng, num_slots,
+                                              lambda: rng.choice([1, 3, 15, 16, 17, 62, rng.randrange(1, 150)]),
+                                              room=steps * width)]
     used = set()
     for step in range(steps):
         which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))
