@@ -13,7 +13,10 @@ demo checkpoint (a tiny V4 of vocabulary 258) in a paged cache, with its decode 
 (the engine's, the runner's; they share one GIL), with asynchronous scheduling as `LLM` runs it, and the small
 vocabulary keeps sampling's arithmetic negligible, as it is on a GPU. Requests are `LLM.generate`'s (final
 outputs only; no stop strings), greedy, `ignore_eos`. Reports the median step over the timed decode steps, after
-`--generated` tokens of each request.
+`--generated` tokens of each request. `-k K`: speculative steps instead, K drafts a sequence from a drafter that
+costs nothing on the device and whose drafts are all kept, verified through `VerifyGraphs` (`capture=False`, the
+same stand-in forward, the rollback's ops stood in for as well: on a GPU both are graph replays) with its
+batched rollback: the host's share of a speculative step.
 """
 
 from __future__ import annotations
@@ -34,23 +37,34 @@ sys.path.append(str(ROOT / "bench"))
 from engine_host import child_result  # noqa: E402  (the child-process runner both host benchmarks use)
 
 
-def measure(batch: int, steps: int, generated: int, checkpoint: Path) -> float:
+TOKEN = 100  # the id every stand-in logits row picks (a byte's: text every token) and every draft proposes
+
+
+def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0) -> float:
     """Median milliseconds of `EngineCore.step()` over `steps` decode steps of `batch` requests, each having
-    generated `generated` tokens before."""
+    generated `generated` tokens before. `k`: speculative steps of k drafts instead (every draft kept: the
+    drafter proposes the id the stand-in picks), verified by `VerifyGraphs` with its batched rollback."""
     import torch
 
     from deepserve import LLM, SamplingParams
     from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.deepseek_v4 import ForwardOutput
+    from deepserve.model.verify_graphs import VerifyGraphs
 
     torch.set_num_threads(1)
-    pages = -(-(16 + generated + steps + 16) // 128)
+    total = generated + (steps + 2) * (k + 1)
+    pages = -(-(16 + total + 16) // 128)
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=batch, block_size=128, max_model_len=pages * 128,
-              load_plugins=False, enable_prefix_caching=False)
-    graphs = llm.runner.graphs = DecodeGraphs(llm.model, llm.cache, batch, pages, capture=False)
+              load_plugins=False, enable_prefix_caching=False, speculative_config=spec)
+    if k:
+        llm.runner.proposer = Drafter(k)
+        graphs = llm.runner.verify_graphs = VerifyGraphs(llm.model, llm.cache, batch, pages, k + 1, capture=False)
+    else:
+        graphs = llm.runner.graphs = DecodeGraphs(llm.model, llm.cache, batch, pages, capture=False)
     model, vocab = graphs.model, llm.model.cfg.vocab_size
-    logits = torch.zeros(batch, vocab)
-    logits[:, 100] = 1.0  # a byte's id: text every token
+    logits = torch.zeros(batch * (k + 1), vocab)
+    logits[:, TOKEN] = 1.0
 
     class Instant:  # the static forward's stand-in: the graph's outputs at once
         backend, main_state_owner = model.backend, model.main_state_owner
@@ -58,9 +72,17 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path) -> float:
 
         def __call__(self, fb, layout=None):
             n = fb.token_ids.shape[0]
+            if k and not layout.frontiers:  # what a verify pass leaves for the rollback: each stream's frontier
+                for layer, name, _ in graphs._streams:
+                    kv = getattr(llm.cache.layers[layer], name).open_kv
+                    shape = (n // (k + 1), kv.shape[1] + k, kv.shape[2])
+                    layout.frontiers[(layer, name)] = (torch.zeros(shape), torch.zeros(shape))
             return ForwardOutput(streams=logits[:n, None, :1], logits=logits[:n])
 
     graphs.model = Instant()
+    if k:  # the pass's saves and the rollback are its graphs' replays on a GPU: device work, stood in for too
+        graphs._pass = lambda bucket: graphs.model(bucket.batch, layout=bucket.layout)
+        graphs._rollback = lambda bucket: None
     prompts = [{"prompt_token_ids": [2 + i % 250, 3, 4, 5, 6, 7, 8, 9]} for i in range(batch)]
     times: list[float] = []
     step = llm.engine.step
@@ -72,11 +94,33 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path) -> float:
         return out
 
     llm.engine.step = timed
-    total = generated + steps + 2
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=total, ignore_eos=True), use_tqdm=False)
-    # the steps after `generated` decode steps (the first step or two hold the prompts), short of the last two
+    if k and graphs.steps < steps:
+        raise RuntimeError(f"only {graphs.steps} verify steps went through the verify graphs")
+    # the steps after `generated` tokens (the first step or two hold the prompts), short of the last two
     decode = times[-(steps + 2) : -2]
     return 1e3 * statistics.median(decode)
+
+
+class Drafter:
+    """A proposer of k drafts of `TOKEN` for every drafting sequence, at once (no device work)."""
+
+    state_owners = ()
+    planner = None
+
+    def __init__(self, k: int) -> None:
+        self.num_speculative_tokens = k
+
+    def capture_graphs(self, *args, **kwargs) -> int:
+        return 0
+
+    def propose(self, streams, chunks, sampling):
+        import torch
+
+        from deepserve.model.speculative import Drafts
+
+        n = sum(1 for c in chunks if c.num_drafts)
+        return Drafts(torch.full((n, self.num_speculative_tokens), TOKEN, dtype=torch.long), None) if n else None
 
 
 def compare(args) -> dict:
@@ -89,8 +133,8 @@ def compare(args) -> dict:
         runs: dict[str, list[float]] = {"baseline": [], "current": []}
         for _ in range(args.repeats):
             for name, tree in trees.items():
-                res_child = child_result(__file__, ["--batches", b, "--generated", gen, "--steps", str(args.steps)],
-                                         tree)
+                res_child = child_result(__file__, ["--batches", b, "--generated", gen, "--steps", str(args.steps),
+                                                    "-k", str(args.k)], tree)
                 runs[name].append(next(iter(res_child["ms_per_step"].values()))["ms"])
         old, new = min(runs["baseline"]), min(runs["current"])
         res["ms_per_step"][f"{b}+{gen}"] = {"batch": int(b), "generated": int(gen), "baseline": old, "current": new,
@@ -105,6 +149,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
+    ap.add_argument("-k", type=int, default=0, help="speculative steps of k drafts, every one kept (0: decode)")
     ap.add_argument("--repeats", type=int, default=1, help="with --baseline: runs of each case (the fastest counts)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package (`git archive REV deepserve | tar -x -C DIR`), measured "
@@ -122,10 +167,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2)
             for gen, b in itertools.product(map(int, args.generated.split(",")), map(int, args.batches.split(","))):
-                ms = measure(b, args.steps, gen, checkpoint)
-                res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "ms": ms}
-                print(f"batch {b:4d}, {gen:5d} generated: {ms:.3f} ms a step ({1e3 * ms / b:.1f} us a request)",
-                      flush=True)
+                ms = measure(b, args.steps, gen, checkpoint, args.k)
+                res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "k": args.k, "ms": ms}
+                print(f"batch {b:4d}, {gen:5d} generated, k {args.k}: {ms:.3f} ms a step ({1e3 * ms / b:.1f} us a "
+                      f"request)", flush=True)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -1,7 +1,8 @@
 """Speculative verify steps as the static forward their CUDA graphs capture (`deepserve.model.verify_graphs`), run
 eagerly on the CPU reference backend: logits of every row and every row a sequence owns equal the paged verify
 path's, bit for bit, over random steps of several widths whose rows close compressed blocks (several per CSA
-stream), wrap the window and pad up to every bucket, each followed by a rollback to a random number of kept tokens
+stream), wrap the window, cross page boundaries (their prefix-hit snapshots) and pad up to every bucket, each
+followed by a rollback to a random number of kept tokens
 (through the journals the static step fills) or a commit, and later steps on the rolled-back state; chunks with fewer
 tokens are padded up to the width and rolled back past the padding. Steps it cannot take go eager. Through the engine, greedy tokens with verify graphs equal eager speculation's and plain
 decoding's. Capture and replay themselves need a GPU (tests/gpu/test_spec_graphs_gpu.py)."""
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import tiny
-from test_cuda_graphs import _owned_equal, prefilled
+from test_cuda_graphs import _owned_equal, _snaps, prefilled
 
 from deepserve.model.batch import make_batch
 from deepserve.model.kv_cache import PagedKVCache
@@ -37,9 +38,9 @@ def test_static_verify_equals_paged_verify(model, width, seed):
     caches = [PagedKVCache(model, num_pages, PAGE, num_slots) for _ in range(2)]
     graphs = VerifyGraphs(model, caches[1], max_batch=num_slots, max_pages=5, width=width, capture=False)
     # prompts that end just before compression and window boundaries, or anywhere
-    seqs = [states for _, states in prefilled(model, caches, rng, num_slots,
-                                              lambda: rng.choice([1, 3, 15, 16, 17, 62, rng.randrange(1, 150)]),
-                                              room=steps * width)]
+    made = prefilled(model, caches, rng, num_slots, lambda: rng.choice([1, 3, 15, 16, 17, 62, rng.randrange(1, 150)]),
+                     room=steps * width, snapshots=True)
+    seqs_tables, seqs = [table for table, _ in made], [states for _, states in made]
     used = set()
     for step in range(steps):
         which = rng.sample(range(num_slots), rng.randrange(1, num_slots + 1))
@@ -51,7 +52,8 @@ def test_static_verify_equals_paged_verify(model, width, seed):
         for k, cache in enumerate(caches):
             states = [seqs[i][k] for i in which]
             starts = [st.num_tokens for st in states]
-            batch = make_batch(tokens, starts, "cpu", logits_rows=[range(n) for n in lengths])
+            snaps = [_snaps(seqs_tables[i], st, n) for i, st, n in zip(which, starts, lengths)]
+            batch = make_batch(tokens, starts, "cpu", logits_rows=[range(n) for n in lengths], snapshots=snaps)
             if k == 0:  # the eager pass covers each chunk, the graph's its width
                 undo = [SequenceUndo(st, s, n) for st, s, n in zip(states, starts, lengths)]
                 logits.append(model(batch, states).logits)
@@ -92,8 +94,6 @@ def test_static_verify_declines_what_it_cannot_run(model):
     assert not graphs.supports(make_batch([[1, 2, 3, 4], [2]], [3, 3], "cpu"), states[:2])  # past the width
     assert not graphs.supports(make_batch([[1, 2, 3]] * 3, [3, 3, 3], "cpu"), states)  # past max_batch
     assert not graphs.supports(make_batch([[1, 2, 3]], [3], "cpu"), states[2:])  # a table past max_pages
-    far = make_batch([[1, 2, 3]], [PAGE - 1], "cpu", snapshots=[[(PAGE, 0)]])
-    assert not graphs.supports(far, states[:1])  # a page boundary (its snapshot) inside the chunk
     cache.free_sequence(2)
     short = cache.new_sequence([7])[0]
     model(make_batch([list(range(2, PAGE - 1))], [0], "cpu"), [short])

@@ -18,9 +18,9 @@ not kept, the open block of the last kept token and the overlap state after the 
 frontiers (`StaticStep.frontiers`). The per-sequence undo of the eager verify step (`speculative.SequenceUndo`:
 a few launches per layer and sequence) is not taken.
 
-A step the graphs do not take runs eagerly: prompt chunks beside the verify chunks, a chunk that crosses a page
-boundary (its prefix-hit snapshot is taken inside the chunk) or whose padded end has no page yet, more sequences
-than the largest bucket. With `capture=False` the same static forward and rollback run eagerly: on the reference
+The prefix-hit snapshots of page boundaries inside a chunk are taken after the pass, from the rings, the saved rows
+and the frontiers (`_snapshots`). A step the graphs do not take runs eagerly: prompt chunks beside the verify
+chunks, a chunk whose padded end has no page yet, more sequences than the largest bucket. With `capture=False` the same static forward and rollback run eagerly: on the reference
 backend they give the paged verify step's and `SequenceUndo`'s bits (tests/test_verify_graphs.py).
 """
 
@@ -79,11 +79,11 @@ class VerifyGraphs(DecodeGraphs):
 
     def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
         """Whether this verify step can run as a static forward: at most `width` tokens a sequence (shorter
-        chunks are padded up to it), no page boundary inside a chunk, every sequence paged in this cache with
-        pages for `width` tokens, at most the largest bucket's sequences, tables that fit. Host-side checks only."""
+        chunks are padded up to it), every sequence paged in this cache with pages for `width` tokens, at most the
+        largest bucket's sequences, tables that fit. Host-side checks only."""
         if not batch.chunks or len(batch.chunks) > self.batch_buckets[-1] or not self.cache.layers:
             return False
-        if any(c.length > self.width or c.snapshots for c in batch.chunks):
+        if any(c.length > self.width for c in batch.chunks):
             return False
         pools, layer, page_size = self.cache.layers[0], self._table_layer, self.cache.page_size
         for c, st in zip(batch.chunks, states):
@@ -142,6 +142,7 @@ class VerifyGraphs(DecodeGraphs):
             output = self._pass(bucket)
         step.bucket = bucket
         self.steps += 1
+        self._snapshots(bucket, chunks)
         if full:
             return ForwardOutput(streams=output.streams[: B * width], logits=output.logits[: B * width])
         return ForwardOutput(streams=output.streams[where], logits=output.logits[where])
@@ -190,6 +191,35 @@ class VerifyGraphs(DecodeGraphs):
                 stream.prev_kv.index_put_((first_slot,), torch.where(closed, f_kv[ar[:, None], src, :d], saved_kv))
                 stream.prev_gate.index_put_((first_slot,), torch.where(closed, f_gate[ar[:, None], src, :d],
                                                                        saved_gate))
+
+    def _snapshots(self, bucket: _VerifyBucket, chunks) -> None:
+        """The prefix-hit snapshots of the page boundaries inside the step's chunks, after the pass and before
+        any rollback, in one gather per layer and stream for all of them: the window rows before the boundary
+        (the chunk's own from the ring as the pass wrote it, earlier ones from the ring or, where the pass
+        overwrote them, from the rows it saved) and the Ca half of the CSA block that ends at the boundary (from
+        the pass's frontier). What the paged verify step takes during its pass."""
+        snaps = [(s, c.start, b, page) for s, c in enumerate(chunks) for b, page in c.snapshots]
+        if not snaps:
+            return
+        width, device = self.width, self.device
+        seq, start, boundary, page = to_device(snaps, torch.long, device).unbind(1)
+        slot = bucket.meta[seq * width, 1]
+        for layer, pools in enumerate(self.cache.layers):
+            W = pools.spec.window
+            q = boundary[:, None] - W + torch.arange(W, device=device)[None, :]  # the window's positions
+            later = q + W  # the position whose ring row took q's
+            saved = (q < start[:, None]) & (later >= start[:, None]) & (later < start[:, None] + width)
+            saved_row = (seq[:, None] * width + later - start[:, None]).clamp(0, bucket.rings[layer].shape[0] - 1)
+            ring = pools.storage[slot[:, None] * W + q % W]
+            pools.snap_window[page] = torch.where(saved[..., None], bucket.rings[layer][saved_row], ring)
+        for layer, name, stream in self._stream_pools():
+            if not stream.spec.overlap:
+                continue
+            m, d = stream.spec.ratio, stream.spec.dim
+            f_kv, f_gate = bucket.layout.frontiers[(layer, name)]
+            rows = (boundary - m - (start - start % m))[:, None] + torch.arange(m, device=device)[None, :]
+            stream.snap_kv[page] = f_kv[seq[:, None], rows, :d]
+            stream.snap_gate[page] = f_gate[seq[:, None], rows, :d]
 
     def _stream_pools(self):
         for layer, name, _ in self._streams:
