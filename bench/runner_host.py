@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
     ap.add_argument("-k", type=int, default=0, help="speculative steps of k drafts, every one kept (0: decode)")
-    ap.add_argument("--repeats", type=int, default=1, help="with --baseline: runs of each case (the fastest counts)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each case (the fastest counts)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package (`git archive REV deepserve | tar -x -C DIR`), measured "
                          "alternately with this one in child processes")
@@ -167,7 +167,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2)
             for gen, b in itertools.product(map(int, args.generated.split(",")), map(int, args.batches.split(","))):
-                ms = measure(b, args.steps, gen, checkpoint, args.k)
+                ms = min(measure(b, args.steps, gen, checkpoint, args.k) for _ in range(args.repeats))
                 res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "k": args.k, "ms": ms}
                 print(f"batch {b:4d}, {gen:5d} generated, k {args.k}: {ms:.3f} ms a step ({1e3 * ms / b:.1f} us a "
                       f"request)", flush=True)

@@ -161,6 +161,7 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
         verify_graphs = _verify_graphs(model, cache, config, max_num_seqs, math.ceil(max_model_len / block_size))
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None
     runner = ModelRunner(model, backend, cache, decode, proposer=proposer, graphs=graphs, verify_graphs=verify_graphs)
+    runner.page_snapshots = config.enable_prefix_caching
     if placement is None and warm_up_wanted(config.warm_up, backend.device):  # (ranks in lockstep: not alone)
         # every other step kind (prompt chunks by size, after a prefix, mixed, verify) compiled now, on scratch state
         spec = config.speculative_config

@@ -131,18 +131,28 @@ def test_engine_with_verify_graphs_equals_eager_speculation(tmp_path, method):
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     spec = {"method": method, "num_speculative_tokens": 3}
-    outs, calls = {}, []
-    for name in ("plain", "eager", "graphs"):
+    outs, calls, snapshots = {}, [], {}
+    for name in ("plain", "eager", "graphs", "graphs, no prefix caching"):
         llm = LLM(path, dtype="float32", max_num_seqs=4, block_size=128,
-                  speculative_config=None if name == "plain" else spec)
-        if name == "graphs":
+                  speculative_config=None if name == "plain" else spec,
+                  enable_prefix_caching=not name.endswith("no prefix caching"))
+        if name.startswith("graphs"):
             llm.runner.verify_graphs = VerifyGraphs(llm.model, llm.cache, 4, 4, width=4, capture=False)
             forward = llm.runner.verify_graphs.forward
-            llm.runner.verify_graphs.forward = lambda b, s: calls.append([c.length for c in b.chunks]) or forward(b, s)
+            snapshots[name] = seen = []
+
+            def counted(b, s, forward=forward, seen=seen):
+                calls.append([c.length for c in b.chunks])
+                seen.extend(c.snapshots for c in b.chunks if c.snapshots)
+                return forward(b, s)
+
+            llm.runner.verify_graphs.forward = counted
         params = [greedy, greedy, sampled]
         outs[name] = [o.outputs[0].token_ids for o in
                       llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         assert llm.runner.num_active_sequences == 0 and llm.cache.num_free_slots == llm.cache.num_slots
     assert len(calls) > 3 and any(min(lengths) < 4 for lengths in calls)  # some padded (drafts cut by max_tokens)
-    assert outs["graphs"] == outs["eager"]
+    assert outs["graphs"] == outs["eager"] == outs["graphs, no prefix caching"]
     assert outs["graphs"][:2] == outs["plain"][:2]
+    # page boundaries inside verify chunks: snapshots taken where prefix caching reads them, none found without
+    assert snapshots["graphs"] and not snapshots["graphs, no prefix caching"]

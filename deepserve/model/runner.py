@@ -70,6 +70,9 @@ class ModelRunner(ModelExecutor):
         self.decode = decode  # token id -> text, for Logprob.decoded_token
         self.speculation = Speculation(self, proposer) if proposer is not None else None
         self.graphs, self.verify_graphs = graphs, verify_graphs
+        # a relative chunk's page-boundary snapshots are found here (the engine plans the others): only where
+        # prefix caching reads them (`build_engine` sets it from `enable_prefix_caching`)
+        self.page_snapshots = True
         self._seqs: dict[str, _Seq] = {}
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's samples and their rows
         self.warm_up_report = None  # what `warm_up` ran (`warm_up.WarmUpReport`), once it has

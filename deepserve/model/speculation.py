@@ -60,7 +60,8 @@ class Speculation:
             return dataclasses.replace(chunk, token_ids=ids)
         start = self.runner._seqs[chunk.request_id].state.num_tokens
         P, table = self.runner.cache.page_size, chunk.block_table
-        snaps = tuple((b, table[b // P - 1]) for b in range((start // P + 1) * P, start + len(ids) + 1, P))
+        snaps = tuple((b, table[b // P - 1]) for b in range((start // P + 1) * P, start + len(ids) + 1, P)) \
+            if self.runner.page_snapshots else ()
         return dataclasses.replace(chunk, start=start, token_ids=ids, snapshots=snaps)
 
     def _verify(self, logits, last_rows: list[int], chunks, sampling: list[int], grammar, undo, out: StepOutput):
