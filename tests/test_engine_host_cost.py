@@ -166,7 +166,8 @@ def test_final_only_text_is_decoded_once_and_equals_the_streamed_text():
     rng = random.Random(3)
     scripts = {}
     for i in range(40):
-        ids = [rng.choice([rng.randrange(2, 300), rng.randrange(2, cfg.vocab_size)]) for _ in range(rng.randrange(1, 24))]
+        ids = [rng.choice([rng.randrange(2, 300), rng.randrange(2, cfg.vocab_size)])
+               for _ in range(rng.randrange(1, 24))]
         if i % 4 < 2:
             ids[-1] = lead_byte  # the text ends in an unfinished character
         scripts[str(i)] = ids + ([eos] if i % 2 else [])

@@ -164,12 +164,15 @@ class ModelRunner(ModelExecutor):
         batch = make_batch([self._known_ids(c) for c in chunks], [c.start for c in chunks], self.device,
                            logits_rows=rows, snapshots=[c.snapshots for c in chunks])
         batch = self._fill_placeholders(batch, chunks)
-        if self._verify_graph_step(batch, states, chunks):  # one handle a chunk; the rollback runs batched
+        verify = self._verify_graph_chunks(batch, states, chunks)  # (their indices, their batch) or None
+        if verify is None:
+            undo = {i: self._undo(states[i], c) for i, c in enumerate(chunks) if c.num_draft_tokens}
+            forward = self._forward(batch, states, rows)
+        elif len(verify[0]) == len(chunks):  # one handle a chunk; the rollback runs batched
             undo = dict(enumerate(self.verify_graphs.begin(batch, states)))
             forward = self.verify_graphs.forward(batch, states)
         else:
-            undo = {i: self._undo(states[i], c) for i, c in enumerate(chunks) if c.num_draft_tokens}
-            forward = self._forward(batch, states, rows)
+            forward, undo = self._verify_beside_prompts(batch, states, chunks, rows, *verify)
         logits = forward.logits
         last_rows = [n - 1 for n in itertools.accumulate(map(len, rows))]  # each chunk's last logits row
         out = StepOutput()
@@ -202,10 +205,11 @@ class ModelRunner(ModelExecutor):
 
     def _forward(self, batch, states, rows) -> ForwardOutput:
         """The step's forward (a verify step that `verify_graphs` takes runs there instead). A decode step
-        replays a CUDA graph when `graphs` takes it. A mixed step (decode tokens beside prompt chunks: a request arriving while others
-        decode) runs as two forwards, its one-token chunks (a graph, or the batched paged decode path) and the
-        rest, instead of sending every decode token down the per-sequence path that long chunks need; the logits
-        come back in chunk order. With a proposer the step stays whole (the drafter reads every chunk's streams)."""
+        replays a CUDA graph when `graphs` takes it. A mixed step (decode tokens beside prompt chunks: a request
+        arriving while others decode) runs as two forwards, its one-token chunks (a graph, or the batched paged
+        decode path) and the rest, instead of sending every decode token down the per-sequence path that long
+        chunks need; the logits come back in chunk order. With a proposer the step stays whole here (the drafter
+        reads every chunk's streams: `_verify_beside_prompts` splits it where the verify graphs take part)."""
         graphs = self.graphs
         if graphs is not None and graphs.supports(batch, states):
             return graphs.forward(batch, states)
@@ -220,22 +224,56 @@ class ModelRunner(ModelExecutor):
         else:
             first = self.model(decode, decode_states)
         others = self.model(select_chunks(batch, rest, [rows[i] for i in rest]), [states[i] for i in rest])
+        return self._merged(batch, rows, [(single, first), (rest, others)], streams=False)
+
+    def _merged(self, batch, rows, parts, streams: bool) -> ForwardOutput:
+        """Forwards over disjoint sets of the step's chunks (`parts`: (chunk indices, output)) as one output in the
+        step's order: logits rows as `rows` lays them out and, with `streams`, every token row's streams."""
         start = [0]
         for r in rows:
             start.append(start[-1] + len(r))
+        first = parts[0][1]
         logits = first.logits.new_empty((start[-1], first.logits.shape[1]))
-        logits[to_device([start[i] for i in single], torch.long, self.device)] = first.logits
-        logits[to_device([start[i] + j for i in rest for j in range(len(rows[i]))], torch.long, self.device)] = \
-            others.logits
-        return ForwardOutput(streams=None, logits=logits)
+        merged = first.streams.new_empty((batch.num_tokens, *first.streams.shape[1:])) if streams else None
+        for which, out in parts:
+            logits[to_device([start[i] + j for i in which for j in range(len(rows[i]))], torch.long, self.device)] = \
+                out.logits
+            if streams:
+                spans = [range(batch.chunks[i].offset, batch.chunks[i].offset + batch.chunks[i].length) for i in which]
+                merged[to_device([t for span in spans for t in span], torch.long, self.device)] = out.streams
+        return ForwardOutput(streams=merged, logits=logits)
 
-    def _verify_graph_step(self, batch, states, chunks) -> bool:
-        """Whether `verify_graphs` runs this step: every chunk a sampled token and its drafts (k or fewer, padded
-        up to the graph's width), none scoring its prompt, and the graphs able to take it."""
+    def _verify_graph_chunks(self, batch, states, chunks):
+        """(indices, batch) of the chunks `verify_graphs` runs in this step: every chunk that is a sampled token
+        and its drafts (k or fewer, padded up to the graph's width) without prompt logprobs, when one of them
+        verifies drafts and the graphs take them all (the rest, prompt chunks, run eagerly beside them). None: the
+        step runs eagerly."""
         verify = self.verify_graphs
-        return verify is not None and all(c.samples and not c.prompt_targets and len(c.token_ids) ==
-                                          1 + c.num_draft_tokens for c in chunks) \
-            and any(c.num_draft_tokens for c in chunks) and verify.supports(batch, states)
+        if verify is None:
+            return None
+        which = [i for i, c in enumerate(chunks)
+                 if c.samples and not c.prompt_targets and len(c.token_ids) == 1 + c.num_draft_tokens]
+        if not any(chunks[i].num_draft_tokens for i in which):
+            return None
+        if len(which) == len(chunks):
+            return (which, batch) if verify.supports(batch.chunks, states) else None
+        if not verify.supports([batch.chunks[i] for i in which], [states[i] for i in which]):
+            return None
+        return which, select_chunks(batch, which, [range(batch.chunks[i].length) for i in which])
+
+    def _verify_beside_prompts(self, batch, states, chunks, rows, which: list[int], verify_batch):
+        """A step whose verify chunks (`which`, their `verify_batch`) the graphs take beside prompt chunks: the
+        verify chunks through the graphs (their handles), the rest eagerly (their undos where they verify drafts),
+        one output in the step's order, streams included (the drafter reads them). Returns (output, undo by chunk
+        index)."""
+        taken = set(which)
+        rest = [i for i in range(len(chunks)) if i not in taken]
+        verify_states = [states[i] for i in which]
+        undo = dict(zip(which, self.verify_graphs.begin(verify_batch, verify_states)))
+        undo.update({i: self._undo(states[i], chunks[i]) for i in rest if chunks[i].num_draft_tokens})
+        verified = self.verify_graphs.forward(verify_batch, verify_states)
+        others = self.model(select_chunks(batch, rest, [rows[i] for i in rest]), [states[i] for i in rest])
+        return self._merged(batch, rows, [(which, verified), (rest, others)], streams=True), undo
 
     def _undo(self, state: SequenceState, chunk: ChunkInput) -> SequenceUndo:
         """The undo of a verifying chunk's pass, taken before it (a model with another state brings its own)."""

@@ -18,10 +18,12 @@ not kept, the open block of the last kept token and the overlap state after the 
 frontiers (`StaticStep.frontiers`). The per-sequence undo of the eager verify step (`speculative.SequenceUndo`:
 a few launches per layer and sequence) is not taken.
 
-The prefix-hit snapshots of page boundaries inside a chunk are taken after the pass, from the rings, the saved rows
-and the frontiers (`_snapshots`). A step the graphs do not take runs eagerly: prompt chunks beside the verify
-chunks, a chunk whose padded end has no page yet, more sequences than the largest bucket. With `capture=False` the same static forward and rollback run eagerly: on the reference
-backend they give the paged verify step's and `SequenceUndo`'s bits (tests/test_verify_graphs.py).
+The prefix-hit snapshots of page boundaries inside a chunk are taken after the pass, from the rings, the saved
+rows and the frontiers (`_snapshots`). Prompt chunks in the same step run eagerly beside the graph (the runner
+merges the two outputs, `ModelRunner._verify_beside_prompts`). A step runs eagerly when a chunk's padded end has
+no page yet or it holds more sequences than the largest bucket. With `capture=False` the same static forward and
+rollback run eagerly: on the reference backend they give the paged verify step's and `SequenceUndo`'s bits
+(tests/test_verify_graphs.py).
 """
 
 from __future__ import annotations
@@ -77,16 +79,17 @@ class VerifyGraphs(DecodeGraphs):
         self.steps = 0  # verify steps run here (the rest ran eagerly)
         self._step: VerifyUndo | None = None  # the step in flight, between `begin` and its rollback
 
-    def supports(self, batch: ForwardBatch, states: list[SequenceState]) -> bool:
-        """Whether this verify step can run as a static forward: at most `width` tokens a sequence (shorter
+    def supports(self, chunks, states: list[SequenceState]) -> bool:
+        """Whether a verify step of these chunks (a batch's `SeqChunk`s) and states can run as a static forward:
+        at most `width` tokens a sequence (shorter
         chunks are padded up to it), every sequence paged in this cache with pages for `width` tokens, at most the
         largest bucket's sequences, tables that fit. Host-side checks only."""
-        if not batch.chunks or len(batch.chunks) > self.batch_buckets[-1] or not self.cache.layers:
+        if not chunks or len(chunks) > self.batch_buckets[-1] or not self.cache.layers:
             return False
-        if any(c.length > self.width for c in batch.chunks):
+        if any(c.length > self.width for c in chunks):
             return False
         pools, layer, page_size = self.cache.layers[0], self._table_layer, self.cache.page_size
-        for c, st in zip(batch.chunks, states):
+        for c, st in zip(chunks, states):
             if st.layers[0].pools is not pools:
                 return False
             if layer is not None:

@@ -125,7 +125,7 @@ def test_verify_replay_matches_its_static_forward(request, which):
             sts = [states[c][i] for i in which_seqs]
             starts = [st.num_tokens for st in sts]
             batch = make_batch(tokens, starts, "cuda:0", logits_rows=[range(width)] * len(sts))
-            assert graphs[c].supports(batch, sts)
+            assert graphs[c].supports(batch.chunks, sts)
             undo = graphs[c].begin(batch, sts)
             logits.append(graphs[c].forward(batch, sts).logits.clone())
             for u, s, a in zip(undo, starts, kept):
