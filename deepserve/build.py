@@ -155,8 +155,8 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
     verify_graphs = None
     if backend.cuda_graphs and not config.enforce_eager and proposer is not None and placement is None and \
             cache.layers and cache.layers[0].storage.is_cuda:
-        # the drafter's fixed-shape work (the MTP chain) as its own graphs, and the verify steps of k drafts a
-        # sequence as the target's, now (steps with other draft counts, DSpark's planned ones, run eagerly)
+        # the drafter's fixed-shape work (the MTP chain) as its own graphs, and the target's verify steps (up to
+        # k drafts a sequence, fewer padded up to k), now
         proposer.capture_graphs(cache, max_num_seqs, batch_sizes=config.cuda_graph_sizes)
         verify_graphs = _verify_graphs(model, cache, config, max_num_seqs, math.ceil(max_model_len / block_size))
     decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else None

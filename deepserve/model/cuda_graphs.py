@@ -93,6 +93,8 @@ class DecodeGraphs:
     sequences than the largest runs without a graph. `warm_up` captures every bucket ahead of the first step.
     """
 
+    kind = "decode"  # what the progress bar and the log call its buckets
+
     def __init__(self, model: DeepseekV4ForCausalLM, cache: PagedKVCache, max_batch: int, max_pages: int,
                  capture: bool | None = None, batch_sizes=None) -> None:
         self.model, self.cache = model, cache
@@ -118,11 +120,11 @@ class DecodeGraphs:
         todo = [(rows, pages) for rows in self.batch_buckets for pages in self.page_buckets
                 if (rows, pages) not in self._buckets]
         began = time.perf_counter()
-        for rows, pages in tqdm(todo, desc="capturing CUDA graphs" if self.capture else "decode buckets",
+        for rows, pages in tqdm(todo, desc=f"capturing {self.kind} graphs" if self.capture else f"{self.kind} buckets",
                                 unit="graph", disable=not progress or not todo):
             self._make_bucket(rows, pages)
         if todo:
-            logger.info("%d decode buckets made in %.1f s (%s)", len(todo), time.perf_counter() - began,
+            logger.info("%d %s buckets made in %.1f s (%s)", len(todo), self.kind, time.perf_counter() - began,
                         "captured" if self.capture else "eager")
         return len(todo)
 
@@ -148,17 +150,11 @@ class DecodeGraphs:
         with every state advanced as the ordinary forward would."""
         B, chunks = len(states), batch.chunks
         tables = [block_table(st.layers[self._table_layer or 0]) for st in states]
-        P = self.page_buckets[bisect.bisect_left(self.page_buckets, max(map(len, tables), default=1) or 1)]
-        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, B)]
         page_size = self.cache.page_size
         for c, table in zip(chunks, tables):
             if self._table_layer is not None and c.end > len(table) * page_size:
                 raise RuntimeError(f"block table holds {len(table)} pages, too few for position {c.start}")
-        bucket = self._buckets.get((rows, P)) or self._make_bucket(rows, P)
-        if bucket.copied is not None:
-            # the previous step's copy has left the staging buffer: with the host a step ahead of the device, this
-            # waits until the device has reached the bucket's previous step, never for its results
-            bucket.copied.synchronize()
+        bucket = self._bucket_for(B, tables)
         meta = bucket.host_meta.numpy()
         meta[:B, 0] = [c.start for c in chunks]
         meta[:B, 1] = [st.layers[0].slot for st in states]
@@ -181,6 +177,17 @@ class DecodeGraphs:
             st.num_tokens = c.end
         self._snapshots(chunks, states)
         return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
+
+    def _bucket_for(self, count: int, tables: list[list[int]]) -> _Bucket:
+        """The bucket of `count` sequences with these block tables (made now if no warm-up made it), once its host
+        staging buffer is free: the previous step's copy out of it has left (with the host a step ahead of the
+        device, this waits until the device has reached the bucket's previous step, never for its results)."""
+        pages = self.page_buckets[bisect.bisect_left(self.page_buckets, max(map(len, tables), default=1) or 1)]
+        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, count)]
+        bucket = self._buckets.get((rows, pages)) or self._make_bucket(rows, pages)
+        if bucket.copied is not None:
+            bucket.copied.synchronize()
+        return bucket
 
     def _snapshots(self, chunks, states) -> None:
         """The prefix-hit snapshots of the pages that this step's tokens ended, as `layouts.paged.PagedLayer._snapshot_windows`

@@ -10,16 +10,16 @@ frontier per sequence and close every block its rows may close, writing the ones
 page. A sequence with fewer drafts (DSpark's planner gives each its own count, 0 included) is padded up to
 `width` rows: its rollback drops the padding rows' writes as it drops rejected drafts'.
 
-The graph first saves what the pass overwrites and a rollback needs: each main layer's window-ring rows of the
-step's positions and each CSA stream's overlap state. Once the host knows how many tokens each sequence keeps,
+The graph first saves the window-ring rows of the step's positions that the pass overwrites; the pass leaves the
+compressors' open blocks and overlap states as they were. Once the host knows how many tokens each sequence keeps,
 the rollback graph (`VerifyUndo`, the same bucket) puts back, in every layer at once and for every sequence
-(those that keep everything included: for them it rewrites what the pass wrote), the ring rows of the positions
-not kept, the open block of the last kept token and the overlap state after the last kept block, from the pass's
-frontiers (`StaticStep.frontiers`). The per-sequence undo of the eager verify step (`speculative.SequenceUndo`:
+(those that keep everything included), the ring rows of the positions not kept, and sets the open block of the
+last kept token and the overlap state after the last kept block from the pass's frontiers
+(`StaticStep.frontiers`). The per-sequence undo of the eager verify step (`speculative.SequenceUndo`:
 a few launches per layer and sequence) is not taken.
 
 The prefix-hit snapshots of page boundaries inside a chunk are taken after the pass, from the rings, the saved
-rows and the frontiers (`_snapshots`). Prompt chunks in the same step run eagerly beside the graph (the runner
+rows and the frontiers (`_chunk_snapshots`). Prompt chunks in the same step run eagerly beside the graph (the runner
 merges the two outputs, `ModelRunner._verify_beside_prompts`). A step runs eagerly when a chunk's padded end has
 no page yet or it holds more sequences than the largest bucket. With `capture=False` the same static forward and
 rollback run eagerly: on the reference backend they give the paged verify step's and `SequenceUndo`'s bits
@@ -28,7 +28,6 @@ rollback run eagerly: on the reference backend they give the paged verify step's
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -48,12 +47,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _VerifyBucket(_Bucket):
-    """A verify bucket: besides the forward's buffers, what the pass saved (ring rows per main layer, overlap
-    state per CSA stream), the tokens each sequence keeps (`keep`, [sequences], and its host staging) and the
-    rollback's graph."""
+    """A verify bucket: besides the forward's buffers, the ring rows the pass overwrote (per main layer), the
+    tokens each sequence keeps (`keep`, [sequences], and its host staging) and the rollback's graph."""
 
     rings: list | None = None
-    prevs: dict | None = None
     keep: torch.Tensor | None = None
     host_keep: torch.Tensor | None = None
     undo_graph: torch.cuda.CUDAGraph | None = None
@@ -64,6 +61,8 @@ class VerifyGraphs(DecodeGraphs):
     per (sequences, table width) bucket, with their rollback. Arguments as `DecodeGraphs`'; `batch_sizes` count
     sequences. `begin` gives the step's undo handles, `forward` runs it; the rollback runs once every handle has
     said how many tokens its sequence keeps."""
+
+    kind = "verify"
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: PagedKVCache, max_batch: int, max_pages: int, width: int,
                  capture: bool | None = None, batch_sizes=None) -> None:
@@ -81,9 +80,9 @@ class VerifyGraphs(DecodeGraphs):
 
     def supports(self, chunks, states: list[SequenceState]) -> bool:
         """Whether a verify step of these chunks (a batch's `SeqChunk`s) and states can run as a static forward:
-        at most `width` tokens a sequence (shorter
-        chunks are padded up to it), every sequence paged in this cache with pages for `width` tokens, at most the
-        largest bucket's sequences, tables that fit. Host-side checks only."""
+        at most `width` tokens a sequence (shorter chunks are padded up to it), every sequence paged in this cache
+        with pages for `width` tokens, at most the largest bucket's sequences, tables that fit. Host-side checks
+        only."""
         if not chunks or len(chunks) > self.batch_buckets[-1] or not self.cache.layers:
             return False
         if any(c.length > self.width for c in chunks):
@@ -114,11 +113,8 @@ class VerifyGraphs(DecodeGraphs):
             raise RuntimeError("a verify graph step starts with begin() on the same batch")
         B, chunks, width = len(states), batch.chunks, self.width
         tables = [block_table(st.layers[self._table_layer or 0]) for st in states]
-        P = self.page_buckets[bisect.bisect_left(self.page_buckets, max(map(len, tables), default=1) or 1)]
-        seqs = self.batch_buckets[bisect.bisect_left(self.batch_buckets, B)]
-        bucket = self._buckets.get((seqs, P)) or self._make_bucket(seqs, P)
-        if bucket.copied is not None:
-            bucket.copied.synchronize()
+        bucket = self._bucket_for(B, tables)
+        seqs = bucket.keep.shape[0]
         meta = bucket.host_meta.numpy().reshape(seqs, width, -1)
         j = list(range(width))
         meta[:, :, 3:] = self.cache.trash_page
@@ -145,26 +141,25 @@ class VerifyGraphs(DecodeGraphs):
             output = self._pass(bucket)
         step.bucket = bucket
         self.steps += 1
-        self._snapshots(bucket, chunks)
+        self._chunk_snapshots(bucket, chunks)
         if full:
             return ForwardOutput(streams=output.streams[: B * width], logits=output.logits[: B * width])
         return ForwardOutput(streams=output.streams[where], logits=output.logits[where])
 
     # -- the graphs' bodies ----------------------------------------------------------------------------------------
     def _pass(self, bucket: _VerifyBucket):
-        """Save what the pass overwrites (ring rows, CSA overlap state), then the static forward."""
+        """Save the window-ring rows the pass overwrites, then the static forward (which leaves the compressors'
+        open blocks and overlap states to `_rollback`)."""
         index, positions = bucket.layout.static.index, bucket.batch.positions
         slot = index.slot[:, 0]
         bucket.rings = [pools.storage[slot * pools.spec.window + positions % pools.spec.window]
                         for pools in self.cache.layers]
-        first = slot.view(-1, self.width)[:, 0]
-        bucket.prevs = {(layer, name): (stream.prev_kv[first], stream.prev_gate[first])
-                        for layer, name, stream in self._stream_pools() if stream.spec.overlap}
         return self.model(bucket.batch, layout=bucket.layout)
 
     def _rollback(self, bucket: _VerifyBucket) -> None:
-        """Every sequence back to its `keep` tokens: ring rows of later positions put back, the open block and
-        the overlap state rebuilt from the pass's frontier (`CompressorState.rollback`'s arithmetic, batched)."""
+        """Every sequence to its `keep` tokens: ring rows of later positions put back, the open block and the
+        overlap state set from the pass's frontier (`CompressorState.rollback`'s arithmetic, batched; the pass
+        left both as they were before it, so a sequence whose kept tokens close no block keeps its overlap)."""
         width, device = self.width, self.device
         index, positions = bucket.layout.static.index, bucket.batch.positions
         slot = index.slot[:, 0]
@@ -187,15 +182,15 @@ class VerifyGraphs(DecodeGraphs):
             open_slot = torch.where(r[None, :] < (keep % m)[:, None], first_slot[:, None], self.cache.pad_slot)
             stream.open_kv.index_put_((open_slot, r.expand(S, m)), f_kv[ar[:, None], src])
             stream.open_gate.index_put_((open_slot, r.expand(S, m)), f_gate[ar[:, None], src])
-            if stream.spec.overlap:  # the last kept block's Ca half if it closed in the pass, else the saved state
+            if stream.spec.overlap:  # the last kept block's Ca half if it closed in the pass, else as it was
                 closed = (kept_rows > start // m)[:, None, None]
                 src = (block[:, None] - m + r[None, :]).clamp(min=0)
-                saved_kv, saved_gate = bucket.prevs[(layer, name)]
-                stream.prev_kv.index_put_((first_slot,), torch.where(closed, f_kv[ar[:, None], src, :d], saved_kv))
+                stream.prev_kv.index_put_((first_slot,), torch.where(closed, f_kv[ar[:, None], src, :d],
+                                                                     stream.prev_kv[first_slot]))
                 stream.prev_gate.index_put_((first_slot,), torch.where(closed, f_gate[ar[:, None], src, :d],
-                                                                       saved_gate))
+                                                                       stream.prev_gate[first_slot]))
 
-    def _snapshots(self, bucket: _VerifyBucket, chunks) -> None:
+    def _chunk_snapshots(self, bucket: _VerifyBucket, chunks) -> None:
         """The prefix-hit snapshots of the page boundaries inside the step's chunks, after the pass and before
         any rollback, in one gather per layer and stream for all of them: the window rows before the boundary
         (the chunk's own from the ring as the pass wrote it, earlier ones from the ring or, where the pass

@@ -11,8 +11,9 @@ A *verify* step (`StaticDecode.width` > 1: a speculative step's base token and d
 sequence) is the same with `width` consecutive rows a sequence: the window keys of its earlier rows come from the
 scratch region (`paged_keys`), and every compressed block the rows close (up to (ratio - 1 + width) // ratio of
 them) is pooled from a fixed-size frontier gathered per sequence (`emit_static_chunks`), whose rows the step keeps
-(`StaticStep.frontiers`) for the rollback of rejected drafts (`CompressorState.record`). On the reference backend
-it gives the paged layout's bits for verify chunks (tests/test_verify_graphs.py).
+(`StaticStep.frontiers`): the compressors' open blocks and overlap states are set from them after the step, for
+the tokens each sequence keeps (`verify_graphs.VerifyGraphs`). With that, on the reference backend it gives the
+paged layout's bits for verify chunks (tests/test_verify_graphs.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class StaticDecode:
 
 class StaticStep(StepLayout):
     """`frontiers` (a verify step): (layer, stream) -> the frontier rows each sequence's compressor gathered,
-    kv and gate [sequences, ratio - 1 + width, F], which the caller hands to the journals after the step."""
+    kv and gate [sequences, ratio - 1 + width, F], from which the caller sets the open blocks and overlap states
+    after the step."""
 
     every_row_logits = True  # every row is a logits row, in order: the forward gathers none
 
@@ -72,8 +74,7 @@ class StaticLayer(LayerLayout):
                         static.trash_page)
             return
         self.step.frontiers[(self.number, stream)] = emit_static_chunks(
-            pooler, kv, gate, self.positions, self.index, getattr(self.pools, stream), static.width, static.pad_slot,
-            static.trash_page)
+            pooler, kv, gate, self.positions, self.index, getattr(self.pools, stream), static.width, static.trash_page)
 
     def index_scored(self, indexer) -> bool:
         """While the tables hold at most top-k rows (a short context: the width is the bucket's), every visible
@@ -160,15 +161,16 @@ def emit_static(pooler, kv, gate, positions, index: PagedIndex, pools, pad_slot:
                  first % rpp)
 
 
-def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, width: int, pad_slot: int,
+def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, width: int,
                        trash_page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`width` consecutive tokens a sequence (rows s * width ..) into one compressed stream's pools, with shapes
+    """`width` consecutive tokens a sequence (rows s * width ..) into one compressed stream's pages, with shapes
     that depend only on the bucket: each sequence's frontier (its open block's `held` rows from the pool, then its
     new rows: `ratio - 1 + width` rows, those past `held + width` unused) is gathered into one tensor; of its
     possible blocks, those its rows close are pooled (CSA: with the Ca half of the block before, from the frontier
-    or the pool's overlap state) and written to their pages, the others to the trash page; the last closed block's
-    Ca half becomes the overlap state, the rows after it the open block. The same arithmetic as the paged
-    layout's `_emit_chunks`, so the same bits. Returns the frontier (kv, gate), for the journals."""
+    or the pool's overlap state) and written to their pages, the others to the trash page. The same arithmetic as
+    the paged layout's `_emit_chunks`, so the same rows. The open block and the overlap state are left as they
+    were: which of the rows count is known only after the step, and the caller sets both from the returned
+    frontier (kv, gate) for the tokens each sequence keeps (`VerifyGraphs._rollback`)."""
     m, d, device = pooler.ratio, pooler.dim, kv.device
     kv, gate = pooler.biased(kv, gate, positions)
     S, F = positions.shape[0] // width, kv.shape[1]
@@ -176,16 +178,15 @@ def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, wi
     slot = index.slot[:, 0].view(S, width)[:, 0]
     tables = index.tables.view(S, width, -1)[:, 0]
     held = start % m
-    n = held + width  # frontier rows in use
     j = torch.arange(m - 1 + width, device=device)
     from_pool = (j[None, :] < held[:, None])[..., None]
     pool_row = slot[:, None] * m + j.clamp(max=m - 1)[None, :]
     batch_row = torch.arange(S, device=device)[:, None] * width + (j[None, :] - held[:, None]).clamp(0, width - 1)
     f_kv = torch.where(from_pool, pools.open_kv.view(-1, F)[pool_row], kv[batch_row])  # [S, m - 1 + width, F]
     f_gate = torch.where(from_pool, pools.open_gate.view(-1, F)[pool_row], gate[batch_row])
-    closed = n // m
     C = (m - 1 + width) // m  # the most blocks a sequence can close
     if C:
+        closed = (held + width) // m
         c = torch.arange(C, device=device)
         cols = c[:, None] * m + torch.arange(m, device=device)[None, :]  # [C, m]
         block_kv, block_gate = f_kv[:, cols], f_gate[:, cols]  # [S, C, m, F]
@@ -200,22 +201,8 @@ def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, wi
             prev_gate = torch.where(has_prev, pools.prev_gate[slot], float("-inf"))[:, None]
             prev_kv = torch.cat((prev_kv, block_kv[:, : C - 1, :, :d]), dim=1)
             prev_gate = torch.cat((prev_gate, block_gate[:, : C - 1, :, :d]), dim=1)
-            last = (closed - 1).clamp(min=0)
-            kept = (closed > 0)[:, None, None]
-            ar = torch.arange(S, device=device)
-            pools.prev_kv.index_put_((slot,), torch.where(kept, block_kv[ar, last, :, :d], pools.prev_kv[slot]))
-            pools.prev_gate.index_put_((slot,), torch.where(kept, block_gate[ar, last, :, :d],
-                                                            pools.prev_gate[slot]))
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=2)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=2)
         rows = pooler.rows(block_kv.flatten(0, 1), block_gate.flatten(0, 1), row.flatten())
         pools.rows.index_put_((page.flatten(), (row % rpp).flatten()), pools.codec.encode(rows))
-    # the open block: frontier rows closed * m + r for r < n - closed * m; the other r write the padding slot
-    r = torch.arange(m, device=device)
-    src = (closed * m)[:, None] + r[None, :]
-    open_slot = torch.where(src < n[:, None], slot[:, None], pad_slot)
-    src = src.clamp(max=m - 2 + width)
-    ar = torch.arange(S, device=device)[:, None]
-    pools.open_kv.index_put_((open_slot, r.expand(S, m)), f_kv[ar, src])
-    pools.open_gate.index_put_((open_slot, r.expand(S, m)), f_gate[ar, src])
     return f_kv, f_gate
