@@ -59,7 +59,7 @@ class ModelRunner(ModelExecutor):
                  verify_graphs: VerifyGraphs | None = None) -> None:
         """`graphs`: run the decode steps it supports as static forwards (CUDA graphs); not with a proposer,
         whose steps verify several tokens per sequence and need the drafter's inputs. `verify_graphs`: with a
-        proposer, run the verify steps it supports (every sequence the same number of drafts) that way."""
+        proposer, run the verify chunks it supports (up to its width in tokens a sequence, padded) that way."""
         if graphs is not None and proposer is not None:
             raise ValueError("decode graphs and a speculative proposer do not combine "
                              "(the graphs decode one token per step; verify steps take verify_graphs)")
