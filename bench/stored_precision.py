@@ -17,7 +17,7 @@ dequantized to bf16 (`--quantization none`), in one run.
 4. Stored against bf16: decode and prefill speed ratios, logprob differences (max and mean |d logprob| of the
    prompt's tokens, greedy agreement of the top token), and the largest batch x context the KV memory left after
    the weights holds (`gpu_memory_utilization` 0.9), with and without the FP8 KV cache (`--kv-cache-dtype fp8`):
-   its bytes per token are the stored form's (`bytes_per_page(precision=..)`: 584 B rows, 68 B indexer keys), and
+   its bytes per token are the stored form's (`bytes_per_page(precision=..)`: 592 B rows, 68 B indexer keys), and
    its logprob rows compare the stored model with the FP8 KV rounding against the same model without it. (The
    cache rounds its rows to FP8 but still allocates them at the model dtype: the fp8 "fits" rows are what the
    stored form holds, docs/quantization.md.)

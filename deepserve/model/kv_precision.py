@@ -4,8 +4,8 @@
 (spec 3.10 and 4.3):
 * a KV row (the window rows and the compressed CSA / HCA rows alike, post-norm, post-RoPE): the non-RoPE dims
   [0, d - rope) as FP8 e4m3 in blocks of 64 dims, each block one power-of-two (UE8M0) scale, the smallest 2^e with
-  amax / 2^e <= 448; the RoPE dims [d - rope, d) as bf16. V4-Flash: 448 + 128 + 7 scale bytes, padded to 584 B
-  per row instead of 1,024.
+  amax / 2^e <= 448; the RoPE dims [d - rope, d) as bf16. V4-Flash: 448 + 128 + 7 scale bytes, padded to 592 B
+  per row instead of 1,024 (16-byte rows: a row is then FlashMLA's one-token MODEL1 block, read in place).
 * an indexer key (CSA layers): turned by the orthonormal Hadamard matrix of its width, then FP4 e2m1 in blocks of
   32 values with power-of-two scales (the smallest 2^e with amax / 2^e <= 6). V4-Flash: 64 + 4 scale bytes
   instead of 256. The query side is turned by the same matrix (`rotate_index_queries`), which leaves every
@@ -159,13 +159,15 @@ class KVPrecision:
     # -- the bytes of the stored form (memory accounting) -----------------------------------------------------
     def kv_row_bytes(self, width: int, model_itemsize: int) -> int:
         """Bytes of one stored KV row of `width` dims: fp8 = e4m3 non-RoPE dims + bf16 RoPE dims + one scale
-        byte per 64 non-RoPE dims, padded to 8 bytes (V4-Flash: 448 + 128 + 7 -> 584)."""
+        byte per 64 non-RoPE dims, padded to 16 bytes (V4-Flash: 448 + 128 + 7 -> 592). 16, not 8: FlashMLA's
+        sparse decode reads a row's values with 16-byte loads, so every row must start 16-byte aligned for it to
+        read the pools in place as one-token blocks (`backends/nvidia/vendor.py`, `FlashMlaDecode`)."""
         if self.kv_cache_dtype == "auto":
             return width * model_itemsize
         if self.kv_cache_dtype == "bf16":
             return width * 2
         nope = width - self.rope_dims
-        return _pad8(nope + 2 * self.rope_dims + -(-nope // FP8_BLOCK))
+        return _pad16(nope + 2 * self.rope_dims + -(-nope // FP8_BLOCK))
 
     # -- the stored form itself (the paged pools) --------------------------------------------------------------
     def kv_codec(self, width: int, dtype: torch.dtype) -> RowCodec:
@@ -186,8 +188,8 @@ class KVPrecision:
         return -(-width // 2) + -(-width // FP4_BLOCK)
 
 
-def _pad8(n: int) -> int:
-    return -(-n // 8) * 8
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 # -- the stored form: what the paged pools hold ------------------------------------------------------------------
@@ -263,7 +265,7 @@ class FP8Rows(RowCodec):
         self.width, self.dtype = width, dtype
         self.nope, self.rope = width - rope_dims, rope_dims
         self.num_scales = -(-self.nope // FP8_BLOCK)
-        self.stored_width = _pad8(self.nope + 2 * self.rope + self.num_scales)
+        self.stored_width = _pad16(self.nope + 2 * self.rope + self.num_scales)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         blocks, n = _blocks(rows[..., : self.nope].float(), FP8_BLOCK)

@@ -3,7 +3,7 @@ against the decoded rows and the reference ops; the NVIDIA backend's packed-row 
 and an engine with CUDA graphs over packed pools, its packed reads against the fallback. The `check_*` functions
 are tests/test_kv_fp8_triton.py's (there under the interpreter, small shapes).
 
-V4-Flash: KV rows of 512 dims (448 FP8 + 64 bf16 RoPE, 584 bytes), 64 query heads; indexer keys of 128 values
+V4-Flash: KV rows of 512 dims (448 FP8 + 64 bf16 RoPE, 592 bytes), 64 query heads; indexer keys of 128 values
 (68 bytes), 64 indexer heads, 64 keys a page (256 tokens at ratio 4), top-512.
 """
 

@@ -106,6 +106,8 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         self.deep_gemm = vendor.load_deep_gemm(torch.device(self.device).index) \
             if fast and on_gpu and not self.invariant else None
         self.deep_gemm_fp8 = vendor.Fp8Gemm(self.deep_gemm) if self.deep_gemm is not None else None
+        self.flash_mla = vendor.FlashMlaDecode.load(torch.device(self.device).index) \
+            if fast and on_gpu and not self.invariant else None
         # arrival counters of the kernels whose last program sums the others' parts (`route_hidden`, `moe_small`,
         # `gemv`): zero between launches, so one stream's kernels share them
         self._arrivals: torch.Tensor | None = None
@@ -156,6 +158,7 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         path = "reference ops" if not self.fast else ("triton" if self.kernels else "cuBLAS only")
         path += ", batch-invariant" if self.invariant else ""
         path += " + deep_gemm" if self.deep_gemm is not None else ""
+        path += " + flash_mla" if self.flash_mla is not None else ""
         return f"NvidiaBackend(device={self.device!r}, gpu={self.device_name!r}, sm_{major}{minor}, {path})"
 
     # -- GEMMs: cuBLAS, no row padding; `gemv` for the wide projections of 1-4 rows --------------------------------

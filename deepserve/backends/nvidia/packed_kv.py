@@ -2,9 +2,10 @@
 `NvidiaBackend`.
 
 The attention and the paged indexer read FP8 KV rows and FP4 indexer keys as stored (`triton_ops/packed_kv.py`),
-so a step makes no decoded copy of the keys it reads. Where a kernel does not apply (no Triton, tensors on
-another device, a codec or shape it does not read, a GPU without e4m3 conversions) the ops take the default of
-`deepserve.core.fused_ops.FusedOps`: decode the rows read, then the plain op (the backend's own kernels).
+so a step makes no decoded copy of the keys it reads; FlashMLA's sparse decode takes the attention instead where
+it loads (`vendor.FlashMlaDecode`: V4-Flash / V4-Pro shapes on sm_90). Where a kernel does not apply (no Triton,
+tensors on another device, a codec or shape it does not read, a GPU without e4m3 conversions) the ops take the
+default of `deepserve.core.fused_ops.FusedOps`: decode the rows read, then the plain op (the backend's own kernels).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class PackedKVOps:
 
     #: False: decode then the plain kernels (the fallback, which tests compare the packed reads against)
     read_packed = True
+    #: `vendor.FlashMlaDecode` where FlashMLA loads (never in the batch-invariant mode: its split of the keys
+    #: follows the batch), else None
+    flash_mla = None
 
     def _packed_kernels(self, x: torch.Tensor):
         """The packed-row kernels' module where they take `x`: Triton loaded, x on the kernels' device, and a GPU
@@ -40,6 +44,13 @@ class PackedKVOps:
                 or storage.stride(-1) != 1):
             return super().sparse_attention_packed(q, storage, codec, indices, sinks, scale, positions, inv_freq,
                                                    fixed_shape)
+        if self.flash_mla is not None:  # FlashMLA's sparse decode where it loads and takes these shapes (vendor.py)
+            def oracle(q, storage, indices, sinks, scale):  # FlashMLA's first call is checked against it
+                return kernels.sparse_mqa_packed(q, storage, codec.nope, indices, sinks, scale)
+
+            out = self.flash_mla(q, storage, codec, indices, sinks, scale, oracle)
+            if out is not None:
+                return self.apply_rope(out, positions, inv_freq, inverse=True, inplace=True)
         return kernels.sparse_mqa_packed(q, storage, codec.nope, indices, sinks, scale, rope=(positions, inv_freq),
                                          tiles=self._attention_tiles(q))
 

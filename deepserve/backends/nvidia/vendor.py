@@ -8,7 +8,13 @@ prefill's gate/up against 406 for Triton's two GEMMs). Which builds load depends
 on torch 2.11 + CUDA 13, sgl-deep-gemm 0.1.5 loads and runs; 0.2.0 loads but rejects the 1-D expert layout
 (its first call fails, and the backend drops it for the Triton kernels), 0.2.5 needs a newer libtorch, and 0.0.1 /
 0.1.0 have no bf16 grouped GEMM. A shape's first long step also JIT-compiles DeepGEMM's kernel for it.
-FlashMLA (`sgl-flash-mla`) and DeepEP (`sgl-deep-ep`) require torch 2.14.1 and are not used.
+FlashMLA's PyPI build (`sgl-flash-mla`) and DeepEP's (`sgl-deep-ep`) require torch 2.14.1;
+`scripts/build_vendor_kernels.sh` builds both from source against the GPU machine's torch (docs/quantization.md).
+
+FlashMLA's SM90 sparse decode reads V4's FP8 KV format ("MODEL1": per token 448 e4m3 values, 64 bf16 RoPE values,
+7 UE8M0 scales) and takes the attention over packed pools (`--kv-cache-dtype fp8`) where it loads
+(`FlashMlaDecode`): a pool's rows are 16-byte-aligned one-token MODEL1 blocks (`kv_precision.FP8Rows`), so it
+reads them in place, a query's row numbers being its indices. Its output's RoPE dims are turned back afterwards.
 
 For weights kept as stored, DeepGEMM's FP8 GEMM (`fp8_gemm_nt`, 1x128 activation and 128x128 weight scales) takes
 the FP8 projections of long steps where it is present (`Fp8Gemm`); its scale layouts differ between releases, so
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from deepserve.core.env import env_value
 
@@ -106,3 +113,123 @@ class Fp8Gemm:
                 return None
             self.checked.add(key)
         return out
+
+
+def load_flash_mla(device_index: int):
+    """The `flash_mla` module when it imports, has the sparse decode deepserve calls, and the device is a Hopper
+    GPU (the build script's wheels hold sm_90a code only); else None (logged at debug level when not installed)."""
+    if env_value("DEEPSERVE_VENDOR_KERNELS") == "0":
+        return None
+    try:
+        import flash_mla
+    except Exception as e:  # noqa: BLE001 - a missing or broken vendor package means "use Triton"
+        logger.debug("flash_mla not used: %s", e)
+        return None
+    if not all(hasattr(flash_mla, name) for name in ("flash_mla_with_kvcache", "get_mla_metadata")):
+        logger.info("flash_mla has no flash_mla_with_kvcache / get_mla_metadata: not used")
+        return None
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        logger.info("flash_mla's sparse decode is used on sm_90 only here")
+        return None
+    return flash_mla
+
+
+class FlashMlaDecode:
+    """FlashMLA's sparse decode over a pool of packed FP8 rows, as `sparse_attention_packed` without the RoPE turn:
+    q [T, H, 512] bf16, storage [N, stored bytes] uint8 (`FP8Rows` of 512 dims, 64 of them RoPE), indices [T, K]
+    rows of it (< 0: none), sinks [H], scale -> [T, H, 512] bf16 whose last 64 dims are still rotated.
+
+    Each query is its own "batch" of one query (FlashMLA's b = T, s_q = 1); the pool is seen as N one-token blocks
+    (`kv_view`), so a row number is FlashMLA's index (block * block size + offset) as it is; K is padded with -1 to
+    FlashMLA's multiple of 64. The first call for a head count is checked against `oracle` (the Triton packed
+    kernel) on random rows; a difference above `TOLERANCE` or an error drops FlashMLA for good. A call inside a
+    CUDA-graph capture before that check returns None (the capture's warm-up runs check it first)."""
+
+    HEADS = (64, 128)
+    NOPE, ROPE = 448, 64
+    TOKEN_BYTES = NOPE + 2 * ROPE + 8  # MODEL1's bytes a token: values, RoPE values, 7 scales and a pad
+    INDEX_BLOCK = 64  # FlashMLA takes K in blocks of 64 indices
+    #: relative L2 difference to the Triton kernel above which FlashMLA is not used (both decode the same e4m3
+    #: codes and power-of-two scales exactly; FlashMLA rounds the probabilities to bf16 for its P.V product)
+    TOLERANCE = 2e-2
+
+    def __init__(self, fm) -> None:
+        self.fm = fm
+        self.checked: dict[int, bool] = {}
+
+    @classmethod
+    def load(cls, device_index: int) -> FlashMlaDecode | None:
+        fm = load_flash_mla(device_index)
+        return cls(fm) if fm is not None else None
+
+    @classmethod
+    def takes(cls, q: torch.Tensor, storage: torch.Tensor, codec) -> bool:
+        """Whether FlashMLA reads this step: V4's MODEL1 shapes (64 or 128 heads of 512 dims, 448 of them FP8),
+        bf16 queries, and a pool whose rows start 16-byte aligned (FlashMLA's 16-byte loads)."""
+        return (q.dim() == 3 and q.shape[1] in cls.HEADS and q.shape[2] == cls.NOPE + cls.ROPE
+                and q.dtype == torch.bfloat16 and codec.stored_format == "fp8"
+                and (codec.nope, codec.rope) == (cls.NOPE, cls.ROPE) and storage.dtype == torch.uint8
+                and storage.dim() == 2 and storage.shape[1] >= cls.TOKEN_BYTES and storage.stride(1) == 1
+                and storage.stride(0) % 16 == 0 and storage.data_ptr() % 16 == 0)
+
+    @classmethod
+    def kv_view(cls, storage: torch.Tensor) -> torch.Tensor:
+        """The pool [N, stored bytes] as FlashMLA's MODEL1 cache of N one-token blocks, [N, 1, 1, 584]: a block's
+        values, RoPE values and scales lie at 0, 448 and 576 bytes from its start, as in `FP8Rows`; the block stride
+        is the row's (16-byte aligned)."""
+        return storage.as_strided((storage.shape[0], 1, 1, cls.TOKEN_BYTES),
+                                  (storage.stride(0), cls.TOKEN_BYTES, cls.TOKEN_BYTES, 1))
+
+    def attend(self, q: torch.Tensor, storage: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """FlashMLA's call itself (shapes from T and K only: a CUDA graph captures it)."""
+        T, K = indices.shape
+        idx = indices.to(torch.int32)
+        if K % self.INDEX_BLOCK or K == 0:
+            idx = F.pad(idx, (0, self.INDEX_BLOCK - K % self.INDEX_BLOCK), value=-1)
+        meta, _ = self.fm.get_mla_metadata()
+        out, _ = self.fm.flash_mla_with_kvcache(
+            q.unsqueeze(1), self.kv_view(storage), None, None, self.NOPE + self.ROPE, meta, softmax_scale=scale,
+            is_fp8_kvcache=True, indices=idx.view(T, 1, -1), attn_sink=sinks.float().contiguous())
+        return out.view(T, q.shape[1], -1)
+
+    def __call__(self, q, storage, codec, indices, sinks, scale, oracle) -> torch.Tensor | None:
+        """`attend` where FlashMLA takes the step and passed its check; else None (the caller's kernel runs).
+        `oracle(q, storage, indices, sinks, scale)`: the Triton packed kernel, for the check."""
+        if q.shape[0] == 0 or not self.takes(q, storage, codec):
+            return None
+        heads = q.shape[1]
+        if heads not in self.checked:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            self.checked[heads] = self._check(q, codec, oracle)
+        return self.attend(q, storage, indices, sinks, scale) if self.checked[heads] else None
+
+    def _check(self, like: torch.Tensor, codec, oracle) -> bool:
+        """FlashMLA against `oracle` on random rows of widely ranging size, random indices with gaps (-1), a K that
+        is not a multiple of 64, and sinks: whether it may be used for `like`'s head count."""
+        g = torch.Generator(device="cpu").manual_seed(0)
+        T, H, d, N, K = 3, like.shape[1], like.shape[2], 300, 100
+        rows = torch.randn(N, d, generator=g) * torch.logspace(-2, 1, d)[torch.randperm(d, generator=g)]
+        storage = torch.zeros((N, codec.stored_width), dtype=torch.uint8, device=like.device)
+        storage.copy_(codec.encode(rows.to(like.device, like.dtype)))
+        q = torch.randn(T, H, d, generator=g).to(like.device, like.dtype)
+        indices = torch.randint(0, N, (T, K), generator=g)
+        indices[torch.rand(T, K, generator=g) < 0.25] = -1
+        indices = indices.to(like.device)
+        sinks = torch.randn(H, generator=g).to(like.device)
+        scale = d ** -0.5
+        try:
+            out = self.attend(q, storage, indices, sinks, scale)
+        except Exception as e:  # noqa: BLE001 - a vendor kernel that fails here is dropped, not fatal
+            logger.warning("flash_mla's sparse decode failed (%s): the Triton packed kernel takes over", e)
+            return False
+        ref = oracle(q, storage, indices, sinks, scale)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+        if not err < self.TOLERANCE:
+            logger.warning("flash_mla's sparse decode differs from the Triton packed kernel by %.3g at %d heads: "
+                           "not used", err, H)
+            return False
+        logger.info("flash_mla's sparse decode takes the attention over FP8 KV pools at %d heads (checked: %.2g "
+                    "relative difference to the Triton kernel)", H, err)
+        return True
