@@ -58,6 +58,7 @@ class FakeFlashMLA:
         assert k_cache.stride(1) == NOPE + 2 * ROPE + 8 and k_cache.stride(-1) == 1  # "the whole block contiguous"
         assert k_cache.stride(0) % 16 == 0 and k_cache.data_ptr() % 16 == 0  # its 16-byte loads
         assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q) and indices.shape[2] % 64 == 0
+        assert (indices >= -1).all()  # the kernel skips -1 only; another negative index is read as a row
         assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,) and attn_sink.is_contiguous()
         out = torch.zeros(b, s_q, h_q, head_dim_v)
         for i in range(b):
@@ -117,6 +118,7 @@ def test_flash_mla_decode_is_the_sparse_attention_over_the_decoded_rows(T, H, K)
     q, indices, sinks = case(T, H, 300, K, g)
     if T > 1:
         indices[0] = -1  # a query that sees no row: only the sink
+        indices[1, ::3] = -7  # any negative entry is "none"
     fake = FakeFlashMLA()
     out = FlashMlaDecode(fake).attend(q, storage, indices, sinks, D ** -0.5)
     ref = ReferenceBackend().sparse_attention(q.float(), values.float(), indices, sinks, D ** -0.5)

@@ -184,7 +184,7 @@ class FlashMlaDecode:
                scale: float) -> torch.Tensor:
         """FlashMLA's call itself (shapes from T and K only: a CUDA graph captures it)."""
         T, K = indices.shape
-        idx = indices.to(torch.int32)
+        idx = indices.clamp(min=-1).to(torch.int32)  # FlashMLA skips -1 only: another negative would be read
         if K % self.INDEX_BLOCK or K == 0:
             idx = F.pad(idx, (0, self.INDEX_BLOCK - K % self.INDEX_BLOCK), value=-1)
         meta, _ = self.fm.get_mla_metadata()
