@@ -140,6 +140,59 @@ def check_packed_index_scores(k, device, T, B, Hi, Di, P, num_pages, rpp, dtype=
     assert rel_err(scores[finite], ref[finite]) < tolerance(dtype), (T, B, Di, P, rpp, dtype)
 
 
+def edge_rows(n: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """fp32 rows of widely ranging magnitude (2^-140 .. 2^60 between blocks and within them), with the values where
+    the encoders round: a zero row and a -0.0 row, tiny negatives that round to -0.0, subnormal fp32 maxima, values
+    halfway between two e4m3 / e2m1 codes (ties go to even / down), a block maximum exactly at 448 * 2^k or 6 * 2^k
+    and one just above it, e4m3 subnormals."""
+    rows = torch.randn(n, width, generator=g) * torch.exp2(torch.randint(-40, 40, (n, width), generator=g).float())
+    rows[:, : width // 2] *= torch.exp2(torch.randint(-100, 20, (n, 1), generator=g).float())
+    rows[0] = 0
+    rows[1] = -0.0
+    rows[2, :8] = -1e-30
+    rows[3] = torch.randn(width, generator=g) * 1e-39  # subnormal fp32
+    rows[4, ::2] = 1.0625  # halfway between e4m3 1.0 and 1.125 (to even: 1.0) ...
+    rows[4, 1::2] = 1.1875  # ... and 1.125 / 1.25 (to even: 1.25), with a block maximum of 448 * 2^-8 below
+    rows[4, 0] = 1.75
+    rows[5, :] = 448.0 * 2.0 ** 5
+    rows[5, 1] = torch.nextafter(torch.tensor(448.0 * 2.0 ** 5), torch.tensor(1e9))  # just above: one power more
+    rows[6, :] = 6.0 * 2.0 ** -3
+    rows[6, 3] = 1.25 * 2.0 ** -3  # an e2m1 midpoint (to the smaller code)
+    rows[7, :] = 2.0 ** -12  # e4m3 subnormals after the block's scale (the maximum set below)
+    rows[7, 0] = 448.0
+    rows[7, 5] = 3 * 2.0 ** -10  # halfway between subnormal codes 2^-9 and 2^-8 (to even: 2^-8)
+    return rows
+
+
+def check_store_rows(k, device, kind: str, width: int, rope: int = 0, dtype=torch.float32, n: int = 24,
+                     seed: int = 0) -> None:
+    """`store_fp8_rows` / `store_fp4_keys` (kind "fp8" / "fp4") against the codec's `encode` bit for bit, into a
+    storage of garbage bytes at scattered rows (and at a run of rows from a base): every byte of a written row is
+    the codec's, every other row keeps its garbage."""
+    g = torch.Generator().manual_seed(seed)
+    rows = edge_rows(n, width, g).to(dtype)
+    precision = KVPrecision("fp8", rope_dims=rope)
+    codec = precision.kv_codec(width, dtype) if kind == "fp8" else precision.index_key_codec(width, dtype)
+    want = codec.encode(rows)
+    N = 3 * n
+    for dest in (torch.randperm(N, generator=g)[:n], None):
+        garbage = torch.randint(0, 256, (N, codec.stored_width), generator=g, dtype=torch.uint8)
+        storage = garbage.clone().to(device)
+        x = rows.to(device)
+        if kind == "fp8":
+            k.packed_writes.store_fp8_rows(x, storage, codec.nope, None if dest is None else dest.to(device), base=n)
+        else:
+            k.packed_writes.store_fp4_keys(x, storage, None if dest is None else dest.to(device), base=n)
+        written = torch.arange(n, 2 * n) if dest is None else dest
+        storage = storage.cpu()
+        bad = (storage[written] != want).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"rows {bad} differ from the codec's bytes (first: {storage[written][bad[0]].tolist()} " \
+                        f"against {want[bad[0]].tolist()})"
+        others = torch.ones(N, dtype=torch.bool)
+        others[written] = False
+        assert torch.equal(storage[others], garbage[others]), "a row not named was written"
+
+
 @contextlib.contextmanager
 def kernel_calls():
     """Counts the calls of the packed-row kernels' entry points while in the block: {"attention", "indexer"}."""
@@ -232,6 +285,42 @@ def check_engine_tokens(checkpoint: str) -> None:
     assert tokens[0] == tokens[1], tokens
 
 
+def check_engine_stores(checkpoint: str) -> None:
+    """The tiny demo model on the NVIDIA backend (interpreted) with `kv_cache_dtype="fp8"`, once with the write
+    kernels and once encoding with torch ops (`write_packed` off), each in a fresh engine: the same greedy tokens
+    and every pool's bytes equal after the run (rings, scratch, compressed pages, indexer key pages, snapshots);
+    the write kernels ran in the first only."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.backends.nvidia.triton_ops import packed_writes
+
+    prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(24)]}
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    runs = []
+    for write_packed in (True, False):
+        llm = LLM(model=checkpoint, accelerator="nvidia", device="cpu", dtype="bfloat16", kv_cache_dtype="fp8",
+                  enforce_eager=True)
+        llm.model.backend.write_packed = write_packed
+        calls, kept = [0], (packed_writes.store_fp8_rows, packed_writes.store_fp4_keys)
+
+        def counted(kernel):
+            def run(*args, **kwargs):
+                calls[0] += 1
+                return kernel(*args, **kwargs)
+            return run
+        packed_writes.store_fp8_rows, packed_writes.store_fp4_keys = map(counted, kept)
+        try:
+            tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            packed_writes.store_fp8_rows, packed_writes.store_fp4_keys = kept
+        assert (calls[0] > 0) == write_packed, calls
+        pools = [t.clone() for layer in llm.cache.layers
+                 for t in (layer.storage, layer.snap_window, getattr(layer.indexer, "rows", None)) if t is not None]
+        assert pools and all(t.dtype == torch.uint8 for t in pools)
+        runs.append((tokens, pools))
+    assert runs[0][0] == runs[1][0], (runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "a pool's bytes differ"
+
+
 # -- on the CPU, interpreted ---------------------------------------------------------------------------------------
 
 CASES = {
@@ -248,15 +337,21 @@ CASES = {
     "index-scores-bf16": (check_packed_index_scores, dict(T=5, B=5, Hi=16, Di=128, P=2, num_pages=6, rpp=64,
                                                           dtype=torch.bfloat16, query_rows=False)),
     "index-scores-di16": (check_packed_index_scores, dict(T=4, B=2, Hi=3, Di=16, P=4, num_pages=5, rpp=4)),
+    # writes: V4-Flash's rows and keys (fp32 and bf16 inputs); the tiny model's (one short FP8 block, 16-value keys)
+    "store-fp8-flash": (check_store_rows, dict(kind="fp8", width=512, rope=64)),
+    "store-fp8-flash-bf16": (check_store_rows, dict(kind="fp8", width=512, rope=64, dtype=torch.bfloat16, seed=1)),
+    "store-fp8-tiny": (check_store_rows, dict(kind="fp8", width=32, rope=16, seed=2)),
+    "store-fp4-flash": (check_store_rows, dict(kind="fp4", width=128, seed=3)),
+    "store-fp4-tiny-bf16": (check_store_rows, dict(kind="fp4", width=16, dtype=torch.bfloat16, seed=4)),
 }
 
 
 def run_cases(checkpoint: str) -> dict[str, str]:
     """Every case under this process's triton (the child's entry point): name -> 'ok' or the failure."""
     from deepserve.backends.nvidia import NvidiaBackend
-    from deepserve.backends.nvidia.triton_ops import packed_kv
+    from deepserve.backends.nvidia.triton_ops import packed_kv, packed_writes
 
-    kernels, results = SimpleNamespace(packed_kv=packed_kv), {}
+    kernels, results = SimpleNamespace(packed_kv=packed_kv, packed_writes=packed_writes), {}
     checks = {name: (lambda check=check, kwargs=kwargs: check(kernels, "cpu", **kwargs))
               for name, (check, kwargs) in CASES.items()}
     backend = NvidiaBackend(device="cpu")
@@ -265,6 +360,7 @@ def run_cases(checkpoint: str) -> dict[str, str]:
     invariant = NvidiaBackend(device="cpu", invariant=True)
     checks["backend-ops-invariant"] = lambda: check_packed_kv_ops(invariant, "cpu", seed=2)
     checks["engine-tokens"] = lambda: check_engine_tokens(checkpoint)
+    checks["engine-stores"] = lambda: check_engine_stores(checkpoint)
     for name, check in checks.items():
         try:
             check()
@@ -285,7 +381,7 @@ def interpreted(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", [*CASES, "backend-ops-fp32", "backend-ops-bf16", "backend-ops-invariant",
-                                  "engine-tokens"])
+                                  "engine-tokens", "engine-stores"])
 def test_packed_reads_against_decoded_rows(interpreted, case):
     assert interpreted[case] == "ok", interpreted[case]
 

@@ -121,6 +121,13 @@ class FusedOps:
         decoded, numbered = codec.gather_pages(pages, tables, query_rows)
         return self.indexer_topk_paged(q, weights, decoded, numbered, key_count, topk)
 
+    def store_packed_rows(self, storage: Tensor, codec, rows: Tensor, dest: Tensor | None = None,
+                          base: int = 0) -> bool:
+        """Optional fused op: rows [n, codec.width] in `codec`'s stored form into storage rows `dest` [n] (rows
+        base .. base + n without dest) of storage [N, codec.stored_width], bit for bit `codec.encode`'s bytes. False
+        (the default): not here; the caller encodes and scatters with torch ops (`layouts.paged.store_rows`)."""
+        return False
+
     def linear_fp32(self, x: Tensor, weight: Tensor) -> Tensor | None:
         """`x @ weight.T` as fp32 [T, N] straight from low-precision (bf16/fp16) `x` and `weight` of one dtype, with
         fp32 accumulation: the same products as upcasting both (the LM head, the MoE router). None (the default)

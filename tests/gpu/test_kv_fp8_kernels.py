@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from test_kv_fp8_triton import check_packed_index_scores, check_packed_kv_ops, check_sparse_mqa_packed, kernel_calls
+from test_kv_fp8_triton import (check_packed_index_scores, check_packed_kv_ops, check_sparse_mqa_packed,
+                                check_store_rows, kernel_calls)
 
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
@@ -23,9 +24,9 @@ triton = pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def kernels():
-    from deepserve.backends.nvidia.triton_ops import packed_kv
+    from deepserve.backends.nvidia.triton_ops import packed_kv, packed_writes
 
-    return SimpleNamespace(packed_kv=packed_kv)
+    return SimpleNamespace(packed_kv=packed_kv, packed_writes=packed_writes)
 
 
 # queries: a batch-1 decode step (the list split over programs), a batch-64 step, a prompt chunk; keys: the window
@@ -47,6 +48,15 @@ def test_attention_over_packed_rows_in_parts(kernels, splits):
 def test_index_scores_over_packed_pages(kernels, T, B, P, query_rows):
     check_packed_index_scores(kernels, "cuda", T, B, 64, 128, P, num_pages=300, rpp=64, dtype=torch.bfloat16,
                               query_rows=query_rows)
+
+
+# the write kernels' bytes against the codecs' (e4m3 / e2m1 / bf16 rounding on the device): V4-Flash's rows and keys,
+# a decode step's 64 and a prompt chunk's 4,096, fp32 and bf16 inputs; the tiny model's short blocks
+@pytest.mark.parametrize("kind, width, rope", [("fp8", 512, 64), ("fp4", 128, 0), ("fp8", 32, 16), ("fp4", 16, 0)])
+@pytest.mark.parametrize("n", [64, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_writes_are_the_codecs_bytes(kernels, kind, width, rope, n, dtype):
+    check_store_rows(kernels, "cuda", kind, width, rope, dtype=dtype, n=n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,3 +85,26 @@ def test_engine_with_graphs_reads_packed_rows_as_the_fallback_does(tmp_path, mon
             tokens.append(list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
         assert (calls["indexer"] > 0) == read_packed, calls  # (graph replays launch without Python calls)
     assert tokens[0] == tokens[1]
+
+
+def test_engine_with_graphs_writes_packed_rows_as_torch_ops_do(tmp_path, monkeypatch):
+    """The demo model in bf16 with CUDA graphs over packed pools: the same greedy tokens, and the same pool bytes,
+    with the write kernels as with the codecs' torch ops (`write_packed` off), each in a fresh engine (set before
+    it is built: the graphs capture the writes)."""
+    from deepserve.backends.nvidia.packed_kv import PackedKVOps
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    checkpoint = build_demo_checkpoint(tmp_path / "demo")
+    prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(300)]}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = []
+    for write_packed in (True, False):
+        monkeypatch.setattr(PackedKVOps, "write_packed", write_packed)
+        llm = LLM(model=checkpoint, accelerator="nvidia", dtype="bfloat16", kv_cache_dtype="fp8", block_size=128)
+        assert llm.graphs is not None
+        tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        pools = [t.cpu() for layer in llm.cache.layers
+                 for t in (layer.storage, layer.snap_window, getattr(layer.indexer, "rows", None)) if t is not None]
+        runs.append((tokens, pools))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -1,6 +1,7 @@
 """The NVIDIA backend's ops over the FP8 KV cache's packed rows (`--kv-cache-dtype fp8`): `PackedKVOps`, mixed into
 `NvidiaBackend`.
 
+Writes encode and store a step's rows in one launch (`store_packed_rows`, `triton_ops/packed_writes.py`).
 The attention and the paged indexer read FP8 KV rows and FP4 indexer keys as stored (`triton_ops/packed_kv.py`),
 so a step makes no decoded copy of the keys it reads; FlashMLA's sparse decode takes the attention instead where
 it loads (`vendor.FlashMlaDecode`: V4-Flash / V4-Pro shapes on sm_90). Where a kernel does not apply (no Triton,
@@ -14,7 +15,8 @@ import torch
 
 
 class PackedKVOps:
-    """`sparse_attention_packed` and `indexer_topk_packed` over packed pools with Triton kernels. Expects the
+    """`sparse_attention_packed`, `indexer_topk_packed` and `store_packed_rows` over packed pools with Triton
+    kernels. Expects the
     backend's `kernels` (None without Triton), `_here(tensor)`, `compute_capability`, and for its batch-invariant
     mode `invariant` and `_attention_tiles(q)` (the attention's fixed tiles; the indexer's ties go to the lowest
     key). A codec is matched by its `stored_format` ("fp8": `kv_precision.FP8Rows`, "fp4": `FP4Keys`): backends
@@ -22,6 +24,8 @@ class PackedKVOps:
 
     #: False: decode then the plain kernels (the fallback, which tests compare the packed reads against)
     read_packed = True
+    #: False: writes encode with torch ops then scatter (the fallback, which tests compare the kernels' bytes with)
+    write_packed = True
     #: `vendor.FlashMlaDecode` where FlashMLA loads (never in the batch-invariant mode: its split of the keys
     #: follows the batch), else None
     flash_mla = None
@@ -53,6 +57,21 @@ class PackedKVOps:
                 return self.apply_rope(out, positions, inv_freq, inverse=True, inplace=True)
         return kernels.sparse_mqa_packed(q, storage, codec.nope, indices, sinks, scale, rope=(positions, inv_freq),
                                          tiles=self._attention_tiles(q))
+
+    def store_packed_rows(self, storage, codec, rows, dest=None, base=0):
+        width = rows.shape[-1]
+        if (not self.write_packed or self.kernels is None or not self._here(rows) or storage.dim() != 2
+                or rows.dim() != 2 or width != codec.width):
+            return False
+        from .triton_ops import packed_writes
+
+        if codec.stored_format == "fp8" and codec.nope % 2 == 0:
+            packed_writes.store_fp8_rows(rows, storage, codec.nope, dest, base)
+            return True
+        if codec.stored_format == "fp4":
+            packed_writes.store_fp4_keys(rows, storage, dest, base)
+            return True
+        return False
 
     def indexer_topk_packed(self, q, weights, pages, codec, tables, key_count, topk, query_rows=None):
         di = q.shape[-1]

@@ -218,7 +218,7 @@ class PagedLayer(LayerLayout):
             pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        pools.rows.index_put_((page, in_page), pools.codec.encode(pooler.rows(block_kv, block_gate, first_row)))
+        store_block_rows(self.backend, pools, pooler.rows(block_kv, block_gate, first_row), page, in_page)
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
         """Every sequence's keys out of the page pool in one gather through the padded block tables; keys kept
@@ -278,7 +278,7 @@ def paged_keys(backend, kv, positions, index: PagedIndex, compressed, pools) -> 
     backend's one-launch `paged_key_rows`, or the same index arithmetic in torch."""
     W, T = pools.spec.window, kv.shape[0]
     storage = pools.storage
-    storage[pools.scratch_base : pools.scratch_base + T] = pools.codec.encode(kv)
+    store_rows(backend, storage, pools.codec, kv, base=pools.scratch_base)
     rows = backend.paged_key_rows(positions, index.chunk_start, index.chunk_offset, index.slot, index.query_tables,
                                   compressed, W, pools.rows_per_page, pools.comp_base, pools.scratch_base)
     if rows is None:
@@ -303,13 +303,30 @@ def attend_rows(backend, q, pools, rows, sinks, scale, positions, inv_freq, fixe
                                            fixed_shape=fixed_shape)
 
 
+def store_rows(backend, storage, codec, rows, dest=None, base: int = 0) -> None:
+    """rows [n, width] into storage [N, stored width] at rows `dest` [n] (base .. base + n without dest) in the
+    pool's stored form: the backend's one-launch kernel where it has one for the codec
+    (`Backend.store_packed_rows`), else `codec.encode` and a scatter."""
+    if not codec.holds_values and backend.store_packed_rows(storage, codec, rows, dest, base):
+        return
+    if dest is None:
+        storage[base : base + rows.shape[0]] = codec.encode(rows)
+    else:
+        storage.index_put_((dest,), codec.encode(rows))
+
+
+def store_block_rows(backend, pools, rows, page, in_page) -> None:
+    """Compressed rows [n, width] into their pages: row i at `pools.rows[page[i], in_page[i]]`."""
+    store_rows(backend, pools.rows.flatten(0, 1), pools.codec, rows, page * pools.rows.shape[1] + in_page)
+
+
 def write_rings(backend, pools, kv, positions, slot) -> None:
     """Row t of kv into its sequence's window ring (rows naming distinct ring slots): all rings in one scatter;
     the backend's kernel where the storage holds the values, else encoded by torch ops."""
     W = pools.spec.window
     if pools.codec.holds_values and backend.paged_window_write(pools.storage, kv, positions, slot, W):
         return
-    pools.storage.index_put_((slot * W + positions % W,), pools.codec.encode(kv))
+    store_rows(backend, pools.storage, pools.codec, kv, slot * W + positions % W)
 
 
 def gather_rows(pool, tables, counts: list[int], device) -> torch.Tensor:
@@ -358,4 +375,4 @@ def close_blocks(pooler, pools, block_kv, block_gate, first, slot, prev_slot, pa
         pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
         block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
         block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-    pools.rows.index_put_((page, in_page), pools.codec.encode(pooler.rows(block_kv, block_gate, first)))
+    store_block_rows(pooler.backend, pools, pooler.rows(block_kv, block_gate, first), page, in_page)

@@ -27,7 +27,7 @@ from deepserve.core.interfaces import VisibleRows
 
 from ..batch import ForwardBatch
 from .base import LayerLayout, StepLayout, visible_rows
-from .paged import PagedIndex, attend_rows, close_blocks, paged_keys, write_rings
+from .paged import PagedIndex, attend_rows, close_blocks, paged_keys, store_block_rows, write_rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,5 +204,5 @@ def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, wi
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=2)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=2)
         rows = pooler.rows(block_kv.flatten(0, 1), block_gate.flatten(0, 1), row.flatten())
-        pools.rows.index_put_((page.flatten(), (row % rpp).flatten()), pools.codec.encode(rows))
+        store_block_rows(pooler.backend, pools, rows, page.flatten(), (row % rpp).flatten())
     return f_kv, f_gate
