@@ -164,7 +164,7 @@ class FusedOps:
     def compress_decode(
         self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
         open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,
-        norm_weight: Tensor, inv_freq: Tensor, eps: float,
+        norm_weight: Tensor, inv_freq: Tensor, eps: float, codec=None, turn: Tensor | None = None,
     ) -> bool:
         """Optional fused op: one decode token per row into one compressed stream, in place. Row b's token (at
         `positions[b]`, in slot `slot[b]`, block table `tables[b]`) has raw projections `kv[b]`, `gate[b]`
@@ -173,8 +173,10 @@ class FusedOps:
         `prev_kv/prev_gate`, the previous block's Ca halves, when given: CSA overlap) by a per-channel softmax over
         the slots, RMS-norms it with `norm_weight`, rotates it at the block's first position with `inv_freq`,
         writes it to `rows[page, row % rpp]` and (overlap) leaves this block's Ca halves in `prev_*`. Exactly
-        `deepserve.model.layouts.static.emit_static`'s effect. Returns False (the default: nothing done) when
-        the backend has no kernel for it; the model then runs its own torch ops."""
+        `deepserve.model.layouts.static.emit_static`'s effect. `codec`: the pool's `RowCodec` where its rows are
+        kept packed (the FP8 KV cache): the row is encoded as it is stored, bit for bit `codec.encode` of the fp32
+        row (indexer keys turned by `turn` [D, D], the Hadamard matrix, first). Returns False (the default:
+        nothing done) when the backend has no kernel for it; the model then runs its own torch ops."""
         return False
 
     def paged_key_rows(

@@ -19,7 +19,7 @@ from deepserve.core.config import CSA, ModelConfig
 from deepserve.core.interfaces import Backend, VisibleRows
 
 from .common import NormWeight, linear
-from .kv_precision import KVPrecision
+from .kv_precision import KVPrecision, hadamard_matrix
 from .layouts import LayerLayout
 from .state import StreamSpec
 
@@ -63,6 +63,10 @@ class _Pooler(nn.Module):
         """Compressed KV rows as the cache keeps them."""
         return self.kv_precision.round_kv(rows)
 
+    def stored_turn(self) -> torch.Tensor | None:
+        """The matrix rows are turned by before they are rounded (`stored`): none for KV rows."""
+        return None
+
 
 class Indexer(_Pooler):
     """Lightning indexer: its own CSA-style key compressor plus query projection and per-head weights."""
@@ -79,6 +83,10 @@ class Indexer(_Pooler):
     def stored(self, rows: torch.Tensor) -> torch.Tensor:
         """Indexer keys as the cache keeps them (fp8 mode: Hadamard-turned, FP4-rounded)."""
         return self.kv_precision.round_index_keys(rows)
+
+    def stored_turn(self) -> torch.Tensor | None:
+        """fp8 mode: the Hadamard matrix the keys are turned by before they are rounded; else none."""
+        return hadamard_matrix(self.dim, self.inv_freq.device) if self.kv_precision.fp8 else None
 
     def select(self, x, qr, layout: LayerLayout) -> torch.Tensor | VisibleRows:
         """Top-k compressed rows per query, as row numbers within the query's own sequence (-1 = none); or, where

@@ -112,6 +112,13 @@ def _hadamard(dim: int, device: str) -> torch.Tensor:
     return (h / math.sqrt(dim)).to(device)
 
 
+def hadamard_matrix(n: int, device) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of order n [n, n] fp32 on `device` (made once): `hadamard(x)` is x @ it."""
+    if n & (n - 1):
+        raise ValueError(f"the indexer's Hadamard rotation needs a power-of-two width, got {n}")
+    return _hadamard(n, str(torch.device(device)))
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] times the orthonormal Hadamard matrix of order n (its own inverse), fp32."""
     n = x.shape[-1]

@@ -396,6 +396,67 @@ def check_compress_decode(device, B, ratio, D, overlap, rope_dim=64, steps=3, se
     return worst
 
 
+def check_compress_decode_packed(device, B, ratio, D, overlap, kind, rope_dim=64, steps=3, seed=0,
+                                 turn="hadamard") -> float:
+    """The fused `compress_decode` storing packed rows (`store` "fp8": `FP8Rows`; "fp4": `FP4Keys`, turned by
+    `turn` first) against itself storing fp32 values, from the same state over `steps` decode steps: the frontier
+    and overlap tensors equal, every closing row's bytes where the values run wrote a row and no other page's
+    bytes touched. FP8 and FP4 under the identity turn: the bytes are the codec's `encode` of the values run's
+    row, bit for bit (returns 0). FP4 under the Hadamard matrix (the kernel's sum against torch's matmul): returns
+    the share of nibbles that differ from encoding the torch-turned rows."""
+    from deepserve.backends.nvidia.triton_ops.decode import compress_decode
+    from deepserve.model.kv_precision import KVPrecision, hadamard_matrix
+
+    g = gen(device, seed)
+    F = 2 * D if overlap else D
+    slots, pages, rpp, P = B + 1, 4 * B + 1, 64 // ratio if ratio < 64 else 2, 3
+    precision = KVPrecision("fp8", rope_dim if kind == "fp8" else 0)
+    codec = precision.kv_codec(D, torch.float32) if kind == "fp8" else precision.index_key_codec(D, torch.float32)
+    matrix = None
+    if kind == "fp4":
+        matrix = hadamard_matrix(D, device) if turn == "hadamard" else torch.eye(D, device=device)
+    f32 = dict(dtype=torch.float32, device=device)
+    state = dict(open_kv=torch.randn((slots, ratio, F), generator=g, **f32),
+                 open_gate=torch.randn((slots, ratio, F), generator=g, **f32),
+                 prev_kv=torch.randn((slots, ratio, D), generator=g, **f32) if overlap else None,
+                 prev_gate=torch.randn((slots, ratio, D), generator=g, **f32) if overlap else None)
+    values = {k: v.clone() if v is not None else None for k, v in state.items()}
+    rows = torch.full((pages, rpp, D), float("nan"), **f32)
+    garbage = torch.randint(0, 256, (pages, rpp, codec.stored_width), generator=g, device=device, dtype=torch.uint8)
+    packed = garbage.clone()
+    tables = torch.randperm(pages - 1, generator=torch.Generator().manual_seed(seed))[: B * P].view(B, P).to(device)
+    slot = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    positions = torch.randint(0, P * rpp * ratio - steps, (B,), generator=g, device=device)
+    positions[0] = ratio - 1
+    bias = torch.randn((ratio, F), generator=g, **f32)
+    norm = 1.0 + 0.1 * torch.randn(D, generator=g, **f32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    for _ in range(steps):
+        kv, gate = torch.randn((B, F), generator=g, **f32), torch.randn((B, F), generator=g, **f32)
+        args = (kv, gate, bias, positions, slot, tables)
+        compress_decode(*args, values["open_kv"], values["open_gate"], values["prev_kv"], values["prev_gate"], rows,
+                        norm, inv_freq, 1e-6)
+        compress_decode(*args, state["open_kv"], state["open_gate"], state["prev_kv"], state["prev_gate"], packed,
+                        norm, inv_freq, 1e-6, store=kind, turn=matrix)
+        positions = positions + 1
+    for k in state:
+        if state[k] is not None:
+            assert torch.equal(state[k], values[k]), f"{k} differs between the packed and the values run"
+    written = ~torch.isnan(rows).any(dim=-1)  # [pages, rpp]
+    assert written.any() and torch.equal(packed[~written], garbage[~written]), "a row not closed was written"
+    got, closed = packed[written].cpu(), rows[written]
+    if kind == "fp8":
+        assert torch.equal(got, codec.encode(closed).cpu()), "FP8 rows differ from the codec's bytes"
+        return 0.0
+    want = codec.encode(closed @ matrix).cpu()
+    if turn != "hadamard":
+        assert torch.equal(got, want), "FP4 keys differ from the codec's bytes"
+        return 0.0
+    half = -(-D // 2)
+    nibbles = lambda b: torch.stack([b[:, :half] & 15, b[:, :half] >> 4], -1)  # noqa: E731
+    return (nibbles(got) != nibbles(want)).float().mean().item()
+
+
 def check_paged_key_rows(device, T, W, K, rpp, seed=0) -> None:
     """The `paged_key_rows` kernel equals the torch index arithmetic of `layouts.paged.paged_keys`, exactly."""
     from deepserve.backends.nvidia.triton_ops.decode import paged_key_rows
@@ -654,6 +715,17 @@ def test_compress_decode(ratio, D, overlap, dtype):
     err = check_compress_decode(CUDA, 64, ratio, D, overlap, dtype=dtype)
     print(f"compress_decode ratio {ratio} D {D} {dtype}: rel err {err:.2e}")
     assert err < (1e-5 if dtype == torch.float32 else BF16_TOL)
+
+
+# V4-Flash's packed pools: a CSA and an HCA layer's FP8 rows, the indexer's FP4 keys (exact under the identity turn;
+# under the Hadamard matrix only its sum order against torch's matmul may move a nibble)
+@pytest.mark.parametrize("ratio,D,overlap,kind,turn", [(4, 512, True, "fp8", None), (128, 512, False, "fp8", None),
+                                                       (4, 128, True, "fp4", "identity"),
+                                                       (4, 128, True, "fp4", "hadamard")])
+def test_compress_decode_packed(ratio, D, overlap, kind, turn):
+    share = check_compress_decode_packed(CUDA, 64, ratio, D, overlap, kind, turn=turn or "hadamard")
+    print(f"compress_decode {kind} ratio {ratio} D {D} turn {turn}: {share:.2%} of nibbles differ")
+    assert share < 0.01
 
 
 def check_align(device, T, top_k, E, bm, seed=0) -> None:

@@ -390,12 +390,18 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         return (values.float() * torch.softmax(gates.float(), dim=1)).sum(dim=1)
 
     def compress_decode(self, kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv,
-                        prev_gate, rows, norm_weight, inv_freq, eps):
-        D = rows.shape[-1]
+                        prev_gate, rows, norm_weight, inv_freq, eps, codec=None, turn=None):
+        D = norm_weight.shape[0]
         if self.kernels is None or self.invariant or not self._here(kv) or D & (D - 1):
             return False
+        store = "values" if codec is None or codec.holds_values else codec.stored_format
+        if store == "values" and rows.shape[-1] != D:
+            return False
+        if store not in ("values", "fp8", "fp4") or (store == "fp4") != (turn is not None) \
+                or (store == "fp8" and codec.nope != D - 2 * inv_freq.shape[0]) or (store == "fp4" and D < 2):
+            return False
         self.kernels.decode.compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, open_gate,
-                                            prev_kv, prev_gate, rows, norm_weight, inv_freq, eps)
+                                            prev_kv, prev_gate, rows, norm_weight, inv_freq, eps, store, turn)
         return True
 
     def paged_key_rows(self, positions, chunk_start, chunk_offset, slot, tables, compressed, window, rows_per_page,

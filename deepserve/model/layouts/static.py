@@ -138,12 +138,15 @@ def emit_static(pooler, kv, gate, positions, index: PagedIndex, pools, pad_slot:
     The same arithmetic row by row as the paged layout, so the same bits where a block closes."""
     m = pooler.ratio
     slot, tables = index.slot[:, 0], index.tables
-    # the fused kernel writes rows at the model dtype: a rounded KV cache (`kv_cache_dtype`) takes the ops below
-    fused = pooler.kv_precision.kv_cache_dtype == "auto"
-    if fused and pooler.backend.compress_decode(kv, gate, pooler.position_bias, positions, slot, tables, pools.open_kv,
-                                      pools.open_gate, pools.prev_kv if pooler.overlap else None,
-                                      pools.prev_gate if pooler.overlap else None, pools.rows,
-                                      pooler.kv_norm.weight, pooler.inv_freq, pooler.eps):
+    # the fused kernel writes rows at the model dtype (`auto`) or encodes them as the packed pools keep them (`fp8`);
+    # a `bf16` cache (rows rounded, kept as values) takes the ops below
+    precision = pooler.kv_precision
+    packed = precision.fp8
+    if (precision.kv_cache_dtype == "auto" or packed) and pooler.backend.compress_decode(
+            kv, gate, pooler.position_bias, positions, slot, tables, pools.open_kv, pools.open_gate,
+            pools.prev_kv if pooler.overlap else None, pools.prev_gate if pooler.overlap else None, pools.rows,
+            pooler.kv_norm.weight, pooler.inv_freq, pooler.eps, codec=pools.codec if packed else None,
+            turn=pooler.stored_turn() if packed else None):
         return
     kv, gate = pooler.biased(kv, gate, positions)
     held = positions % m

@@ -26,6 +26,8 @@ from triton.language.extra import libdevice
 
 from deepserve.core.interfaces import VisibleRows
 
+from .packed_writes import store_fp4_tile, store_fp8_tile
+
 
 @triton.jit
 def _online_update(mx, den, acc, g, k):
@@ -39,11 +41,15 @@ def _online_update(mx, den, acc, g, k):
 @triton.jit
 def _compress_decode_kernel(
     kv_ptr, gate_ptr, bias_ptr, pos_ptr, slot_ptr, table_ptr,
-    open_kv_ptr, open_gate_ptr, prev_kv_ptr, prev_gate_ptr, rows_ptr, norm_ptr, freq_ptr,
+    open_kv_ptr, open_gate_ptr, prev_kv_ptr, prev_gate_ptr, rows_ptr, rows16_ptr, turn_ptr, norm_ptr, freq_ptr,
     eps, stride_kv, stride_gate, stride_pos, stride_slot, stride_table,
     M: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, RPP: tl.constexpr, NOPE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, STORE: tl.constexpr, WIDTH: tl.constexpr, NUM_SCALES: tl.constexpr, TILE: tl.constexpr,
 ):
+    """STORE: 0 the row's values at the rows' dtype ([pages, RPP, D]); 1 packed as `FP8Rows` (WIDTH bytes a row,
+    NUM_SCALES scale bytes, TILE dims a scale block's tile: 64, or D where it is shorter); 2 turned by the matrix
+    at `turn_ptr` [D, D] and packed as `FP4Keys` (TILE pairs a tile: 16, or D / 2). `rows16_ptr`: the rows as
+    int16 (FP8 RoPE dims)."""
     F: tl.constexpr = 2 * D if OVERLAP else D
     b = tl.program_id(0)
     pos = tl.load(pos_ptr + b * stride_pos)
@@ -105,17 +111,29 @@ def _compress_decode_kernel(
     even, odd = tl.where(rotate, even * cos - odd * sin, even), tl.where(rotate, odd * cos + even * sin, odd)
     out = tl.reshape(tl.join(even, odd), (D,))
     page = tl.load(table_ptr + b * stride_table + first // RPP).to(tl.int64)
-    tl.store(rows_ptr + (page * RPP + first % RPP) * D + c, out.to(rows_ptr.dtype.element_ty))
+    row = page * RPP + first % RPP
+    if STORE == 0:
+        tl.store(rows_ptr + row * D + c, out.to(rows_ptr.dtype.element_ty))
+    elif STORE == 1:  # the fp32 row encoded as it is stored (the unfused path encodes the same fp32 row)
+        store_fp8_tile(tl.reshape(out, (D // TILE, TILE)), tl.reshape(c, (D // TILE, TILE)), rows_ptr + row * WIDTH,
+                       rows16_ptr + row * (WIDTH // 2), NOPE, D - NOPE, NUM_SCALES, WIDTH)
+    else:  # an indexer key: turned by the Hadamard matrix (symmetric), then encoded
+        turned = tl.sum(tl.load(turn_ptr + c[:, None] * D + c[None, :]) * out[None, :], axis=1)
+        lo, hi = tl.split(tl.reshape(turned, (D // 2, 2)))
+        pairs = tl.arange(0, D // 2)
+        store_fp4_tile(tl.reshape(lo, (D // 2 // TILE, TILE)), tl.reshape(hi, (D // 2 // TILE, TILE)),
+                       tl.reshape(pairs, (D // 2 // TILE, TILE)), rows_ptr + row * WIDTH, D, NUM_SCALES)
 
 
 def compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, open_gate, prev_kv, prev_gate,
-                    rows, norm_weight, inv_freq, eps) -> None:
+                    rows, norm_weight, inv_freq, eps, store: str = "values", turn=None) -> None:
     """The backend op `compress_decode` (see `Backend.compress_decode`): kv/gate [B, F] raw projections,
     position_bias [ratio, F] fp32, positions/slot [B] (any stride), tables [B, P], open_kv/open_gate
-    [slots, ratio, F] fp32, prev_kv/prev_gate [slots, ratio, D] fp32 or None, rows [pages, rpp, D], norm_weight [D],
-    inv_freq [rope dims / 2]."""
+    [slots, ratio, F] fp32, prev_kv/prev_gate [slots, ratio, D] fp32 or None, rows [pages, rpp, D] (`store`
+    "values"), or [pages, rpp, row bytes] uint8 packed as `FP8Rows` ("fp8") or, turned by `turn` [D, D] fp32 first,
+    as `FP4Keys` ("fp4"), norm_weight [D], inv_freq [rope dims / 2]."""
     B, F = kv.shape
-    ratio, D = open_kv.shape[1], rows.shape[-1]
+    ratio, D = open_kv.shape[1], norm_weight.shape[0]
     overlap = prev_kv is not None
     if B == 0:
         return
@@ -123,12 +141,23 @@ def compress_decode(kv, gate, position_bias, positions, slot, tables, open_kv, o
         if not t.is_contiguous():
             raise ValueError("compress_decode needs contiguous frontier, bias and row tensors")
     freq = inv_freq.float().contiguous()
+    nope = D - 2 * freq.shape[0]
+    if store == "values":
+        mode, tile, num_scales, rows16 = 0, 1, 0, rows
+    elif store == "fp8":
+        mode, tile, num_scales, rows16 = 1, min(64, D), -(-nope // 64), rows.view(torch.int16)
+    elif store == "fp4":
+        mode, tile, num_scales, rows16 = 2, min(16, D // 2), -(-D // 32), rows
+    else:
+        raise ValueError(f"compress_decode stores values, fp8 or fp4 rows, not {store!r}")
+    turn = turn.float().contiguous() if turn is not None else freq
     _compress_decode_kernel[(B,)](
         kv, gate, position_bias, positions, slot, tables, open_kv, open_gate,
-        prev_kv if overlap else open_kv, prev_gate if overlap else open_gate, rows, norm_weight, freq,
+        prev_kv if overlap else open_kv, prev_gate if overlap else open_gate, rows, rows16, turn, norm_weight, freq,
         float(eps), kv.stride(0), gate.stride(0), positions.stride(0), slot.stride(0), tables.stride(0),
-        M=ratio, D=D, OVERLAP=overlap, RPP=rows.shape[1], NOPE=D - 2 * freq.shape[0],
-        BLOCK_S=min(16, triton.next_power_of_2(ratio)), num_warps=4,
+        M=ratio, D=D, OVERLAP=overlap, RPP=rows.shape[1], NOPE=nope,
+        BLOCK_S=min(16, triton.next_power_of_2(ratio)), STORE=mode, WIDTH=rows.shape[-1], NUM_SCALES=num_scales,
+        TILE=tile, num_warps=4,
     )
 
 

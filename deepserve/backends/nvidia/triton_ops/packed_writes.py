@@ -91,49 +91,63 @@ def _destination(dest_ptr, base, i, HAS_DEST: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_tile(x, dims, dst, dst16, NOPE: tl.constexpr, ROPE: tl.constexpr, NUM_SCALES: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    """One row's fp32 values x [blocks, block] (dim numbers `dims`; a block of 64 dims, or the whole row where it
+    is shorter; dims past the row masked by the caller with zeros) stored as `FP8Rows` bytes at `dst` (uint8;
+    `dst16` the same row start as int16): e4m3 codes and a scale byte per 64 non-RoPE dims, the RoPE dims as
+    bf16, zero padding to WIDTH bytes."""
+    nope = dims < NOPE
+    e = _pow2_exponent(tl.max(tl.where(nope, tl.abs(x), 0.0), axis=1), 8, 0x600000)
+    y = tl.minimum(tl.maximum(x * _inverse_pow2(e)[:, None], -448.0), 448.0)
+    tl.store(dst + dims, _e4m3_bytes(y), mask=nope)
+    # RoPE dim j is the bf16 at byte NOPE + 2 (j - NOPE): element j - NOPE / 2 of the row's int16 view
+    tl.store(dst16 + dims - NOPE // 2, _bf16_bits(x), mask=(dims >= NOPE) & (dims < NOPE + ROPE))
+    b = tl.arange(0, x.shape[0])
+    tl.store(dst + NOPE + 2 * ROPE + b, (e + 127).to(tl.uint8), mask=b < NUM_SCALES)
+    pad = NOPE + 2 * ROPE + NUM_SCALES + tl.arange(0, 16)
+    tl.store(dst + pad, tl.zeros([16], dtype=tl.uint8), mask=pad < WIDTH)
+
+
+@triton.jit
+def store_fp4_tile(lo, hi, pairs, dst, N: tl.constexpr, NUM_SCALES: tl.constexpr):
+    """One key's fp32 values in pairs (lo = values 2j, hi = values 2j + 1, [blocks, 16]: a block of 32 values, or
+    the whole key where it is shorter; `pairs` the byte numbers j; values past the key zero) stored as `FP4Keys`
+    bytes at `dst`: a byte a pair, low nibble first, then a scale byte per 32 values."""
+    e = _pow2_exponent(tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1)), 2, 0x400000)
+    inverse = _inverse_pow2(e)[:, None]
+    packed = _e2m1_nibbles(lo * inverse) | (_e2m1_nibbles(hi * inverse) << 4)
+    tl.store(dst + pairs, packed.to(tl.uint8), mask=2 * pairs < N)
+    b = tl.arange(0, lo.shape[0])
+    tl.store(dst + (N + 1) // 2 + b, (e + 127).to(tl.uint8), mask=b < NUM_SCALES)
+
+
+@triton.jit
 def _store_fp8_rows_kernel(x_ptr, dest_ptr, out_ptr, out16_ptr, base, stride_x, stride_out,
-                           NOPE: tl.constexpr, ROPE: tl.constexpr, NUM_SCALES: tl.constexpr, WIDTH: tl.constexpr,
-                           BLOCKS: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_PAD: tl.constexpr,
-                           HAS_DEST: tl.constexpr, BF16_BITS: tl.constexpr):
+                           D: tl.constexpr, NOPE: tl.constexpr, NUM_SCALES: tl.constexpr, WIDTH: tl.constexpr,
+                           BLOCKS: tl.constexpr, HAS_DEST: tl.constexpr, BF16_BITS: tl.constexpr):
     """Row i of x into storage row `dest[i]` (`base + i` without dest): the codes, the RoPE dims, the scale bytes,
     the padding, every byte of the row."""
     i = tl.program_id(0)
     row = _destination(dest_ptr, base, i, HAS_DEST)
-    src = x_ptr + i.to(tl.int64) * stride_x
-    dst = out_ptr + row * stride_out
     dims = tl.arange(0, BLOCKS)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    x = _load_fp32(src + dims, dims < NOPE, BF16_BITS)
-    e = _pow2_exponent(tl.max(tl.abs(x), axis=1), 8, 0x600000)
-    y = tl.minimum(tl.maximum(x * _inverse_pow2(e)[:, None], -448.0), 448.0)
-    tl.store(dst + dims, _e4m3_bytes(y), mask=dims < NOPE)
-    r = tl.arange(0, BLOCK_ROPE)
-    rope = _load_fp32(src + NOPE + r, r < ROPE, BF16_BITS)
-    tl.store(out16_ptr + row * (stride_out // 2) + NOPE // 2 + r, _bf16_bits(rope), mask=r < ROPE)
-    b = tl.arange(0, BLOCKS)
-    tl.store(dst + NOPE + 2 * ROPE + b, (e + 127).to(tl.uint8), mask=b < NUM_SCALES)
-    pad = NOPE + 2 * ROPE + NUM_SCALES + tl.arange(0, BLOCK_PAD)
-    tl.store(dst + pad, tl.zeros([BLOCK_PAD], dtype=tl.uint8), mask=pad < WIDTH)
+    x = _load_fp32(x_ptr + i.to(tl.int64) * stride_x + dims, dims < D, BF16_BITS)
+    store_fp8_tile(x, dims, out_ptr + row * stride_out, out16_ptr + row * (stride_out // 2), NOPE, D - NOPE,
+                   NUM_SCALES, WIDTH)
 
 
 @triton.jit
 def _store_fp4_keys_kernel(x_ptr, dest_ptr, out_ptr, base, stride_x, stride_out,
                            N: tl.constexpr, NUM_SCALES: tl.constexpr, BLOCKS: tl.constexpr, HAS_DEST: tl.constexpr,
                            BF16_BITS: tl.constexpr):
-    """Key i of x into storage row `dest[i]` (`base + i` without dest): value pairs (2j, 2j + 1) of each block of
-    32 as one byte, low nibble first, then the scale bytes."""
+    """Key i of x into storage row `dest[i]` (`base + i` without dest)."""
     i = tl.program_id(0)
     row = _destination(dest_ptr, base, i, HAS_DEST)
     src = x_ptr + i.to(tl.int64) * stride_x
-    dst = out_ptr + row * stride_out
-    pair = tl.arange(0, BLOCKS)[:, None] * 16 + tl.arange(0, 16)[None, :]  # byte index
-    lo = _load_fp32(src + 2 * pair, 2 * pair < N, BF16_BITS)
-    hi = _load_fp32(src + 2 * pair + 1, 2 * pair + 1 < N, BF16_BITS)
-    e = _pow2_exponent(tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1)), 2, 0x400000)
-    inverse = _inverse_pow2(e)[:, None]
-    packed = _e2m1_nibbles(lo * inverse) | (_e2m1_nibbles(hi * inverse) << 4)
-    tl.store(dst + pair, packed.to(tl.uint8), mask=2 * pair < N)
-    b = tl.arange(0, BLOCKS)
-    tl.store(dst + (N + 1) // 2 + b, (e + 127).to(tl.uint8), mask=b < NUM_SCALES)
+    pairs = tl.arange(0, BLOCKS)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    lo = _load_fp32(src + 2 * pairs, 2 * pairs < N, BF16_BITS)
+    hi = _load_fp32(src + 2 * pairs + 1, 2 * pairs + 1 < N, BF16_BITS)
+    store_fp4_tile(lo, hi, pairs, out_ptr + row * stride_out, N, NUM_SCALES)
 
 
 def _launch_args(x: torch.Tensor, storage: torch.Tensor, dest: torch.Tensor | None, base: int):
@@ -158,8 +172,7 @@ def store_fp8_rows(x: torch.Tensor, storage: torch.Tensor, nope: int, dest: torc
     x, dest_arg, bf16 = _launch_args(x, storage, dest, base)
     _store_fp8_rows_kernel[(n,)](
         x, dest_arg, storage, storage.view(torch.int16), base, x.stride(0), storage.stride(0),
-        NOPE=nope, ROPE=rope, NUM_SCALES=num_scales, WIDTH=storage.shape[1],
-        BLOCKS=triton.next_power_of_2(num_scales), BLOCK_ROPE=triton.next_power_of_2(max(rope, 1)), BLOCK_PAD=16,
+        D=d, NOPE=nope, NUM_SCALES=num_scales, WIDTH=storage.shape[1], BLOCKS=triton.next_power_of_2(-(-d // 64)),
         HAS_DEST=dest is not None, BF16_BITS=bf16, num_warps=4,
     )
 
