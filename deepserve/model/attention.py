@@ -82,7 +82,8 @@ class Attention(nn.Module):
             qb = self.q_b_proj(qr)
         q, kv = b.qk_norm_rope(qb.view(T, self.num_heads, self.head_dim), self.kv_proj(x), self.kv_norm.weight, eps,
                                positions, self.inv_freq)
-        kv = self.kv_precision.round_kv(kv)  # as the cache keeps it: this token attends to its rounded row too
+        if not layout.rounds_on_store():  # packed pools round it as they store it (the encoding is the rounding)
+            kv = self.kv_precision.round_kv(kv)  # as the cache keeps it: this token attends to its rounded row too
         compressed = self.compressor(x, qr, layout) if self.compressor is not None else None
         # the attention output, its rotary dims turned back (V = K carries them); packed keys read as stored
         out = layout.attend(q, kv, compressed, self.sinks, self.scale, self.inv_freq)

@@ -24,6 +24,12 @@ class LayerLayout(ABC):
         bias) into its `stream` ("compressor" or "indexer"): the open blocks' frontier, and one row for every
         block they close (`pooler.rows`)."""
 
+    def rounds_on_store(self) -> bool:
+        """Whether a token's kv row reaches the attention and the window only as the pools store it (encoded by
+        their codec, which rounds it exactly as `KVPrecision.round_kv` does), so the forward need not round it
+        first. False (the default): the layout reads the row's values as given."""
+        return False
+
     def index_scored(self, indexer) -> bool:
         """Whether `index_topk` scores the keys for this step (else every row is chosen: `all_visible`)."""
         return True

@@ -245,6 +245,10 @@ class PagedLayer(LayerLayout):
         rows = paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)
         return self.pools.codec.gather(self.pools.storage, rows)
 
+    def rounds_on_store(self) -> bool:
+        """Packed pools: the row goes to the attention and the rings only through `store_rows` (encoded)."""
+        return not self.pools.codec.holds_values
+
     def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
         """Over the storage rows `keys` names, packed ones read as stored (`attend_rows`)."""
         rows = paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)

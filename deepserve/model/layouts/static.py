@@ -103,6 +103,10 @@ class StaticLayer(LayerLayout):
         """The storage where it holds the values; else the rows read, decoded one per index entry (fixed shapes)."""
         return self.pools.codec.gather(self.pools.storage, self._key_rows(kv, compressed), fixed_shape=True)
 
+    def rounds_on_store(self) -> bool:
+        """Packed pools: the row goes to the attention and the rings only through `store_rows` (encoded)."""
+        return not self.pools.codec.holds_values
+
     def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
         """Over the storage rows `keys` names, packed ones read as stored (`paged.attend_rows`, fixed shapes)."""
         return attend_rows(self.backend, q, self.pools, self._key_rows(kv, compressed), sinks, scale, self.positions,
