@@ -67,30 +67,10 @@ def test_backend_ops_against_their_decoding_fallback(dtype, invariant):
     check_packed_kv_ops(NvidiaBackend("cuda", invariant=invariant), "cuda", dtype)
 
 
-def test_engine_with_graphs_reads_packed_rows_as_the_fallback_does(tmp_path, monkeypatch):
-    """The demo model in bf16 with CUDA graphs (the static layout's fixed-shape step) over packed pools: the same
-    greedy tokens with the packed reads as with the decoding fallback (graphs captured either way)."""
-    from deepserve.backends.nvidia.packed_kv import PackedKVOps
-    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
-
-    checkpoint = build_demo_checkpoint(tmp_path / "demo")
-    prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(300)]}
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    tokens = []
-    for read_packed in (True, False):
-        monkeypatch.setattr(PackedKVOps, "read_packed", read_packed)
-        llm = LLM(model=checkpoint, accelerator="nvidia", dtype="bfloat16", kv_cache_dtype="fp8", block_size=128)
-        assert llm.graphs is not None
-        with kernel_calls() as calls:
-            tokens.append(list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
-        assert (calls["indexer"] > 0) == read_packed, calls  # (graph replays launch without Python calls)
-    assert tokens[0] == tokens[1]
-
-
-def test_engine_with_graphs_writes_packed_rows_as_torch_ops_do(tmp_path, monkeypatch):
-    """The demo model in bf16 with CUDA graphs over packed pools: the same greedy tokens, and the same pool bytes,
-    with the write kernels as with the codecs' torch ops (`write_packed` off), each in a fresh engine (set before
-    it is built: the graphs capture the writes)."""
+def fp8_demo_runs(tmp_path, monkeypatch, flag: str) -> list[tuple[list[int], list[torch.Tensor], dict]]:
+    """The demo model in bf16 with CUDA graphs (the static layout's fixed-shape step) over packed pools, with
+    `PackedKVOps.<flag>` on then off, each in a fresh engine (set before it is built: the graphs capture what it
+    chooses): per run its greedy tokens, every pool's bytes and the packed kernels' Python calls."""
     from deepserve.backends.nvidia.packed_kv import PackedKVOps
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
@@ -98,13 +78,28 @@ def test_engine_with_graphs_writes_packed_rows_as_torch_ops_do(tmp_path, monkeyp
     prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(300)]}
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = []
-    for write_packed in (True, False):
-        monkeypatch.setattr(PackedKVOps, "write_packed", write_packed)
+    for on in (True, False):
+        monkeypatch.setattr(PackedKVOps, flag, on)
         llm = LLM(model=checkpoint, accelerator="nvidia", dtype="bfloat16", kv_cache_dtype="fp8", block_size=128)
         assert llm.graphs is not None
-        tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        with kernel_calls() as calls:
+            tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
         pools = [t.cpu() for layer in llm.cache.layers
                  for t in (layer.storage, layer.snap_window, getattr(layer.indexer, "rows", None)) if t is not None]
-        runs.append((tokens, pools))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+        runs.append((tokens, pools, calls))
+    return runs
+
+
+def test_engine_with_graphs_reads_packed_rows_as_the_fallback_does(tmp_path, monkeypatch):
+    """The same greedy tokens with the packed reads as with the decoding fallback (graphs captured either way)."""
+    (packed, _, calls), (fallback, _, no_calls) = fp8_demo_runs(tmp_path, monkeypatch, "read_packed")
+    # (graph replays launch without Python calls: the eager prefill's count)
+    assert calls["indexer"] > 0 and no_calls["indexer"] == 0, (calls, no_calls)
+    assert packed == fallback
+
+
+def test_engine_with_graphs_writes_packed_rows_as_torch_ops_do(tmp_path, monkeypatch):
+    """The same greedy tokens and the same pool bytes with the write kernels as with the codecs' torch ops."""
+    (tokens, pools, _), (torch_tokens, torch_pools, _) = fp8_demo_runs(tmp_path, monkeypatch, "write_packed")
+    assert tokens == torch_tokens
+    assert all(torch.equal(a, b) for a, b in zip(pools, torch_pools))

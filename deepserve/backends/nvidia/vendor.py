@@ -25,6 +25,7 @@ each shape's first product is checked against the Triton kernel's and a mismatch
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -35,15 +36,23 @@ from deepserve.core.env import env_value
 logger = logging.getLogger(__name__)
 
 
-def load_deep_gemm(device_index: int):
-    """The `deep_gemm` module when it imports and has the bf16 grouped GEMM deepserve calls, and the device is a
-    Hopper GPU; else None (a missing package is logged at debug level: most installs do not have it)."""
+def _vendor_module(name: str):
+    """The vendor package `name` imported, or None where `DEEPSERVE_VENDOR_KERNELS=0` or it does not import (logged
+    at debug level: most installs do not have it)."""
     if env_value("DEEPSERVE_VENDOR_KERNELS") == "0":
         return None
     try:
-        import deep_gemm
+        return importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - a missing or broken vendor package means "use Triton"
-        logger.debug("deep_gemm not used: %s", e)
+        logger.debug("%s not used: %s", name, e)
+        return None
+
+
+def load_deep_gemm(device_index: int):
+    """The `deep_gemm` module when it imports and has the bf16 grouped GEMM deepserve calls, and the device is a
+    Hopper GPU; else None."""
+    deep_gemm = _vendor_module("deep_gemm")
+    if deep_gemm is None:
         return None
     if not hasattr(deep_gemm, "m_grouped_bf16_gemm_nt_contiguous"):
         logger.info("deep_gemm %s has no m_grouped_bf16_gemm_nt_contiguous: not used",
@@ -117,13 +126,9 @@ class Fp8Gemm:
 
 def load_flash_mla(device_index: int):
     """The `flash_mla` module when it imports, has the sparse decode deepserve calls, and the device is a Hopper
-    GPU (the build script's wheels hold sm_90a code only); else None (logged at debug level when not installed)."""
-    if env_value("DEEPSERVE_VENDOR_KERNELS") == "0":
-        return None
-    try:
-        import flash_mla
-    except Exception as e:  # noqa: BLE001 - a missing or broken vendor package means "use Triton"
-        logger.debug("flash_mla not used: %s", e)
+    GPU (the build script's wheels hold sm_90a code only); else None."""
+    flash_mla = _vendor_module("flash_mla")
+    if flash_mla is None:
         return None
     if not all(hasattr(flash_mla, name) for name in ("flash_mla_with_kvcache", "get_mla_metadata")):
         logger.info("flash_mla has no flash_mla_with_kvcache / get_mla_metadata: not used")
