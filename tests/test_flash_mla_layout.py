@@ -146,6 +146,9 @@ def test_the_first_call_is_checked_and_a_failing_kernel_is_dropped():
         dropped = FlashMlaDecode(FakeFlashMLA(broken))
         assert dropped(q, storage, codec, indices, sinks, 0.05, oracle) is None and dropped.checked == {64: False}
         assert dropped(q, storage, codec, indices, sinks, 0.05, oracle) is None and dropped.fm.calls == 1
-    # shapes it does not take never reach it
+    # shapes it does not take never reach it, nor steps of more queries than it takes (prompt chunks)
     small = FlashMlaDecode(FakeFlashMLA())
     assert small(q[:, :32], storage, codec, indices, sinks, 0.05, oracle) is None and small.fm.calls == 0
+    long = q[:1].expand(FlashMlaDecode.MAX_QUERIES + 1, -1, -1)
+    assert small(long, storage, codec, indices[:1].expand(long.shape[0], -1), sinks, 0.05, oracle) is None
+    assert small.fm.calls == 0

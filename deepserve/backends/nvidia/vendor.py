@@ -154,6 +154,10 @@ class FlashMlaDecode:
     NOPE, ROPE = 448, 64
     TOKEN_BYTES = NOPE + 2 * ROPE + 8  # MODEL1's bytes a token: values, RoPE values, 7 scales and a pad
     INDEX_BLOCK = 64  # FlashMLA takes K in blocks of 64 indices
+    #: the most queries a call takes (decode and verify steps): FlashMLA keeps fp32 partial outputs for every query
+    #: plus one per SM part, [T + 132, H, 512], which a prompt chunk of thousands of queries would make a GiB;
+    #: longer steps take the Triton kernel
+    MAX_QUERIES = 512
     #: relative L2 difference to the Triton kernel above which FlashMLA is not used (both decode the same e4m3
     #: codes and power-of-two scales exactly; FlashMLA rounds the probabilities to bf16 for its P.V product)
     TOLERANCE = 2e-2
@@ -201,7 +205,7 @@ class FlashMlaDecode:
     def __call__(self, q, storage, codec, indices, sinks, scale, oracle) -> torch.Tensor | None:
         """`attend` where FlashMLA takes the step and passed its check; else None (the caller's kernel runs).
         `oracle(q, storage, indices, sinks, scale)`: the Triton packed kernel, for the check."""
-        if q.shape[0] == 0 or not self.takes(q, storage, codec):
+        if not 0 < q.shape[0] <= self.MAX_QUERIES or not self.takes(q, storage, codec):
             return None
         heads = q.shape[1]
         if heads not in self.checked:
