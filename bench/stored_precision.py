@@ -18,9 +18,9 @@ dequantized to bf16 (`--quantization none`), in one run.
    prompt's tokens, greedy agreement of the top token), and the largest batch x context the KV memory left after
    the weights holds (`gpu_memory_utilization` 0.9), with and without the FP8 KV cache (`--kv-cache-dtype fp8`):
    its bytes per token are the stored form's (`bytes_per_page(precision=..)`: 592 B rows, 68 B indexer keys), and
-   its logprob rows compare the stored model with the FP8 KV rounding against the same model without it. (The
-   cache rounds its rows to FP8 but still allocates them at the model dtype: the fp8 "fits" rows are what the
-   stored form holds, docs/quantization.md.)
+   its logprob rows compare the stored model with the FP8 KV rounding against the same model without it; and the
+   stored model's decode step with the FP8 KV cache's packed pools (`ms_per_step_fp8_kv`: the packed kernels,
+   FlashMLA's sparse decode where it loads; `--no-fp8-kv-decode` leaves it out).
 
 Prints the table last; writes stored_precision.json into --out ($OUT when set). `--quick`: tiny shapes on any
 device, a check of the harness, not a measurement.
@@ -169,23 +169,35 @@ def bench_model(path: Path, quantization: str, backend, device, args, prompt: li
             row.update(seconds_triton_fp8=s, tok_s_triton_fp8=n / s)
         print(f"[{quantization}] prefill {n}: {row}", flush=True)
 
+    def decode_seconds(b: int, kv_cache_dtype: str) -> float:
+        """Seconds a graphed decode step of b sequences at `args.context`, the cache's pools in `kv_cache_dtype`
+        (`fp8`: packed, read by the packed kernels or FlashMLA where it loads, written by the packed writes)."""
+        use_kv_cache_dtype(model, kv_cache_dtype)
+        try:
+            prompts = [torch.randint(2, model.cfg.vocab_size, (args.context,), generator=g).tolist() for _ in range(b)]
+            states, cache = base.prefill_states(model, device, prompts, group=max(1, 16384 // args.context),
+                                                extra_tokens=args.steps + 8)
+            toks = torch.randint(2, model.cfg.vocab_size, (args.steps + 2, b), generator=g).tolist()
+            graphs = DecodeGraphs(model, cache, max_batch=b,
+                                  max_pages=-(-(args.context + args.steps + 8) // PAGE)) if cuda else None
+            base.decode_steps(model, device, states, toks[:2], args.context, graphs)  # captures / warms up
+            return base.decode_steps(model, device, states, toks[2:], args.context + 2, graphs, pipelined=True)
+        finally:
+            use_kv_cache_dtype(model, "auto")
+            gc.collect()
+
     out["decode"] = {}
     for b in args.batches:
-        prompts = [torch.randint(2, model.cfg.vocab_size, (args.context,), generator=g).tolist() for _ in range(b)]
-        states, cache = base.prefill_states(model, device, prompts, group=max(1, 16384 // args.context),
-                                            extra_tokens=args.steps + 8)
-        toks = torch.randint(2, model.cfg.vocab_size, (args.steps + 2, b), generator=g).tolist()
-        graphs = DecodeGraphs(model, cache, max_batch=b, max_pages=-(-(args.context + args.steps + 8) // PAGE)) \
-            if cuda else None
-        base.decode_steps(model, device, states, toks[:2], args.context, graphs)  # captures / warms up
-        s = base.decode_steps(model, device, states, toks[2:], args.context + 2, graphs, pipelined=True)
+        s = decode_seconds(b, "auto")
         read = base.decode_bytes(model, wb, b, args.context)
         row = out["decode"][b] = {"batch": b, "context": args.context, "ms_per_step": 1e3 * s, "tok_s": b / s,
                                   "bytes_per_step": read}
         if floors.get("bandwidth_Bps"):
             row["mbu"] = read / s / floors["bandwidth_Bps"]
+        if quantization != "none" and not args.no_fp8_kv_decode:  # the stored model with the FP8 KV cache too
+            row["ms_per_step_fp8_kv"] = 1e3 * decode_seconds(b, "fp8")
+            row["flash_mla"] = getattr(backend, "flash_mla", None) is not None
         print(f"[{quantization}] decode batch {b}: {row}", flush=True)
-        del states, cache, graphs
     del model
     gc.collect()
     if cuda:
@@ -246,6 +258,10 @@ def report(res: dict) -> str:
         row(f"decode b{k} ms/step", s["decode"][k]["ms_per_step"], p["decode"][k]["ms_per_step"])
         row(f"decode b{k} tok/s", s["decode"][k]["tok_s"], p["decode"][k]["tok_s"], "{:.1f}")
         row(f"decode b{k} MBU", s["decode"][k].get("mbu"), p["decode"][k].get("mbu"), "{:.1%}", ratio=False)
+        if s["decode"][k].get("ms_per_step_fp8_kv"):  # the stored model: FP8 KV cache | the model dtype's
+            flash = " (FlashMLA)" if s["decode"][k].get("flash_mla") else ""
+            row(f"decode b{k} ms FP8|auto KV{flash}", s["decode"][k]["ms_per_step_fp8_kv"],
+                s["decode"][k]["ms_per_step"], ratio=True)
     lines += ["", f"logprobs (stored vs bf16, prompt tokens): max |d| {c['prompt_logprob_abs_diff_max']:.4f}, mean "
               f"{c['prompt_logprob_abs_diff_mean']:.4f}; top-1 agreement {c['top1_agreement']:.1%}",
               f"largest batch per context (KV budget after weights): stored {res['fits_stored']}, bf16 "
@@ -267,6 +283,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a check of this script, not a measurement")
+    ap.add_argument("--no-fp8-kv-decode", action="store_true",
+                    help="leave out the stored model's decode steps with the FP8 KV cache")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
