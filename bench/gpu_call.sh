@@ -40,7 +40,7 @@ for part in $PARTS; do
         decode) python3 bench/gpu.py --reuse-hf $HF --decode-only --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 ;;
         bench) python3 bench/gpu.py --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
         quant) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quant_kernels.py 2>&1 | tee "$OUT/quant_tests.log" | tail -25 ;;
-        stored) timeout ${STORED_TIMEOUT:-300} python3 bench/stored_precision.py --out "$OUT" 2>&1 | tee "$OUT/stored_precision.log" | tail -40 ;;
+        stored) timeout ${STORED_TIMEOUT:-420} python3 bench/stored_precision.py --out "$OUT" 2>&1 | tee "$OUT/stored_precision.log" | tail -40 ;;
         kv_tiers) timeout 150 python3 bench/kv_tiers.py --accelerator nvidia --out "$OUT/kv_tiers_h200.json" 2>&1 | tee "$OUT/kv_tiers.log" | tail -25 ;;
         determinism) timeout 200 python3 bench/investigations/determinism.py --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -40 ;;
         stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
