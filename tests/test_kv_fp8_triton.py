@@ -321,6 +321,48 @@ def check_engine_stores(checkpoint: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "a pool's bytes differ"
 
 
+def check_engine_static_fp8(checkpoint: str) -> None:
+    """The tiny demo model on the NVIDIA backend (interpreted) with `kv_cache_dtype="fp8"`, its decode steps through
+    the static forward of CUDA graphs (`DecodeGraphs(capture=False)`: the fused compressor storing packed rows, the
+    write kernels, the packed reads) against the paged eager steps (the compressors' torch ops): the same greedy
+    tokens, the sampled tokens' logprobs within float noise, and the fused compressor stored packed CSA and HCA
+    rows and FP4 keys (blocks of 4 and 16 close during the 5 decode steps at positions 13-17)."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.backends.nvidia.triton_ops import decode
+    from deepserve.model.cuda_graphs import DecodeGraphs
+
+    prompt = {"prompt_token_ids": [(37 * i + 11) % 200 + 30 for i in range(13)]}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs, stores, steps, fused = [], [], [], decode.compress_decode
+
+    def counted(*args, **kwargs):
+        stores.append(kwargs.get("store", args[14] if len(args) > 14 else "values"))
+        return fused(*args, **kwargs)
+
+    for static in (False, True):
+        llm = LLM(model=checkpoint, accelerator="nvidia", device="cpu", dtype="bfloat16", kv_cache_dtype="fp8",
+                  enforce_eager=True, block_size=128)
+        if static:
+            llm.runner.graphs = graphs = DecodeGraphs(llm.model, llm.cache, 1, 2, capture=False)
+            forward = graphs.forward
+
+            def step(*args, **kwargs):
+                steps.append(1)
+                return forward(*args, **kwargs)
+            graphs.forward = step
+        decode.compress_decode = counted
+        try:
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        finally:
+            decode.compress_decode = fused
+        runs.append((list(out.token_ids), [next(iter(p.values())).logprob for p in out.logprobs]))
+    # every decode step static, each storing the 2 CSA and 2 HCA layers' rows (FP8) and the CSA indexers' keys (FP4)
+    assert len(steps) == 5 and stores.count("fp8") == 4 * 5 and stores.count("fp4") == 2 * 5, (len(steps), stores)
+    assert runs[0][0] == runs[1][0], (runs[0][0], runs[1][0])
+    diff = max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert diff < 0.05, diff
+
+
 # -- on the CPU, interpreted ---------------------------------------------------------------------------------------
 
 CASES = {
@@ -361,6 +403,7 @@ def run_cases(checkpoint: str) -> dict[str, str]:
     checks["backend-ops-invariant"] = lambda: check_packed_kv_ops(invariant, "cpu", seed=2)
     checks["engine-tokens"] = lambda: check_engine_tokens(checkpoint)
     checks["engine-stores"] = lambda: check_engine_stores(checkpoint)
+    checks["engine-static-fp8"] = lambda: check_engine_static_fp8(checkpoint)
     for name, check in checks.items():
         try:
             check()
@@ -381,7 +424,7 @@ def interpreted(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", [*CASES, "backend-ops-fp32", "backend-ops-bf16", "backend-ops-invariant",
-                                  "engine-tokens", "engine-stores"])
+                                  "engine-tokens", "engine-stores", "engine-static-fp8"])
 def test_packed_reads_against_decoded_rows(interpreted, case):
     assert interpreted[case] == "ok", interpreted[case]
 
