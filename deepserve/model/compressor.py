@@ -51,17 +51,20 @@ class _Pooler(nn.Module):
         """fp32 projections, the gate with the position bias of each token's slot in its block."""
         return kv.float(), gate.float() + self.position_bias[positions % self.ratio]
 
-    def rows(self, kv: torch.Tensor, gate: torch.Tensor, first_row: torch.Tensor) -> torch.Tensor:
+    def rows(self, kv: torch.Tensor, gate: torch.Tensor, first_row: torch.Tensor,
+             encoded: bool = False) -> torch.Tensor:
         """The rows of closed blocks (their slots' projections [B, slots, dim]): a per-channel softmax of the gates
         over the slots weights the kv; then RMSNorm, RoPE at each block's first position (row * ratio), and the
-        cache's rounding (`stored`)."""
+        cache's rounding (`stored`; `encoded`: the pools' codec rounds them as it stores them)."""
         pooled = self.backend.softmax_pool(kv, gate)
         rows = self.backend.rms_norm(pooled, self.kv_norm.weight, self.eps)
-        return self.stored(self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True))
+        rows = self.backend.apply_rope(rows, first_row * self.ratio, self.inv_freq, inplace=True)
+        return self.stored(rows, encoded)
 
-    def stored(self, rows: torch.Tensor) -> torch.Tensor:
-        """Compressed KV rows as the cache keeps them."""
-        return self.kv_precision.round_kv(rows)
+    def stored(self, rows: torch.Tensor, encoded: bool = False) -> torch.Tensor:
+        """Compressed KV rows as the cache keeps them; as they are where the pools encode them (`encoded`: their
+        codec's encoding is the same rounding)."""
+        return rows if encoded else self.kv_precision.round_kv(rows)
 
     def stored_turn(self) -> torch.Tensor | None:
         """The matrix rows are turned by before they are rounded (`stored`): none for KV rows."""
@@ -80,8 +83,11 @@ class Indexer(_Pooler):
         self.scorer.weights_proj = linear(backend, cfg.hidden_size, cfg.index_n_heads)
         self.weight_scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
 
-    def stored(self, rows: torch.Tensor) -> torch.Tensor:
-        """Indexer keys as the cache keeps them (fp8 mode: Hadamard-turned, FP4-rounded)."""
+    def stored(self, rows: torch.Tensor, encoded: bool = False) -> torch.Tensor:
+        """Indexer keys as the cache keeps them (fp8 mode: Hadamard-turned, FP4-rounded); only turned where the
+        pools encode them (`encoded`: the FP4 codec rounds them as it stores them)."""
+        if encoded:
+            return self.kv_precision.turn_index_keys(rows)
         return self.kv_precision.round_index_keys(rows)
 
     def stored_turn(self) -> torch.Tensor | None:

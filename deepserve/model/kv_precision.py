@@ -157,7 +157,12 @@ class KVPrecision:
         queries are turned the same way: `rotate_index_queries`), FP4-rounded."""
         if not self.fp8:
             return self.round_kv(keys) if self.kv_cache_dtype == "bf16" else keys
-        return fp4_roundtrip(hadamard(keys)).to(keys.dtype)
+        return fp4_roundtrip(self.turn_index_keys(keys)).to(keys.dtype)
+
+    def turn_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Indexer keys [..., n] in the frame the cache keeps them in, not rounded: Hadamard-turned (fp32) in fp8
+        mode, else as given."""
+        return hadamard(keys) if self.fp8 else keys
 
     def rotate_index_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Indexer queries [..., n] in the keys' frame: turned by the Hadamard matrix in fp8 mode, else as given."""

@@ -218,7 +218,8 @@ class PagedLayer(LayerLayout):
             pools.prev_gate.index_put_((last_slot,), block_gate[k, :, :d])
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-        store_block_rows(self.backend, pools, pooler.rows(block_kv, block_gate, first_row), page, in_page)
+        rows = pooler.rows(block_kv, block_gate, first_row, encoded=not pools.codec.holds_values)
+        store_block_rows(self.backend, pools, rows, page, in_page)
 
     def index_topk(self, indexer, q, weights) -> torch.Tensor:
         """Every sequence's keys out of the page pool in one gather through the padded block tables; keys kept
@@ -379,4 +380,5 @@ def close_blocks(pooler, pools, block_kv, block_gate, first, slot, prev_slot, pa
         pools.prev_gate.index_put_((prev_slot,), block_gate[..., :d])
         block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=1)
         block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=1)
-    store_block_rows(pooler.backend, pools, pooler.rows(block_kv, block_gate, first), page, in_page)
+    rows = pooler.rows(block_kv, block_gate, first, encoded=not pools.codec.holds_values)
+    store_block_rows(pooler.backend, pools, rows, page, in_page)

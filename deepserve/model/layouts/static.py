@@ -210,6 +210,7 @@ def emit_static_chunks(pooler, kv, gate, positions, index: PagedIndex, pools, wi
             prev_gate = torch.cat((prev_gate, block_gate[:, : C - 1, :, :d]), dim=1)
             block_kv = torch.cat((prev_kv, block_kv[..., d:]), dim=2)
             block_gate = torch.cat((prev_gate, block_gate[..., d:]), dim=2)
-        rows = pooler.rows(block_kv.flatten(0, 1), block_gate.flatten(0, 1), row.flatten())
+        rows = pooler.rows(block_kv.flatten(0, 1), block_gate.flatten(0, 1), row.flatten(),
+                           encoded=not pools.codec.holds_values)
         store_block_rows(pooler.backend, pools, rows, page.flatten(), (row % rpp).flatten())
     return f_kv, f_gate
