@@ -103,7 +103,17 @@ class PagedStep(StepLayout):
         return self.memo[key]
 
 
-class PagedLayer(LayerLayout):
+class PoolLayer(LayerLayout):
+    """A layer whose KV lives in page pools (`self.pools`, the paged and the static layouts), values or packed."""
+
+    pools: object
+
+    def rounds_on_store(self) -> bool:
+        """Packed pools: the row goes to the attention and the rings only through `store_rows` (encoded)."""
+        return not self.pools.codec.holds_values
+
+
+class PagedLayer(PoolLayer):
     def __init__(self, step: PagedStep, states: list[AttentionState], pools) -> None:
         super().__init__(step.batch, step.backend)
         self.step, self.states, self.pools = step, states, pools
@@ -245,10 +255,6 @@ class PagedLayer(LayerLayout):
         holds the values, else the rows read, decoded (`RowCodec.gather`)."""
         rows = paged_keys(self.backend, kv, self.positions, self.index, compressed, self.pools)
         return self.pools.codec.gather(self.pools.storage, rows)
-
-    def rounds_on_store(self) -> bool:
-        """Packed pools: the row goes to the attention and the rings only through `store_rows` (encoded)."""
-        return not self.pools.codec.holds_values
 
     def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
         """Over the storage rows `keys` names, packed ones read as stored (`attend_rows`)."""

@@ -26,8 +26,8 @@ import torch
 from deepserve.core.interfaces import VisibleRows
 
 from ..batch import ForwardBatch
-from .base import LayerLayout, StepLayout, visible_rows
-from .paged import PagedIndex, attend_rows, close_blocks, paged_keys, store_block_rows, write_rings
+from .base import StepLayout, visible_rows
+from .paged import PagedIndex, PoolLayer, attend_rows, close_blocks, paged_keys, store_block_rows, write_rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class StaticStep(StepLayout):
         return StaticLayer(self, self.static.layers[index], index)
 
 
-class StaticLayer(LayerLayout):
+class StaticLayer(PoolLayer):
     def __init__(self, step: StaticStep, pools, number: int = 0) -> None:
         super().__init__(step.batch, step.backend)
         self.step, self.number = step, number
@@ -102,10 +102,6 @@ class StaticLayer(LayerLayout):
     def keys(self, kv, compressed):
         """The storage where it holds the values; else the rows read, decoded one per index entry (fixed shapes)."""
         return self.pools.codec.gather(self.pools.storage, self._key_rows(kv, compressed), fixed_shape=True)
-
-    def rounds_on_store(self) -> bool:
-        """Packed pools: the row goes to the attention and the rings only through `store_rows` (encoded)."""
-        return not self.pools.codec.holds_values
 
     def attend(self, q, kv, compressed, sinks, scale, inv_freq) -> torch.Tensor:
         """Over the storage rows `keys` names, packed ones read as stored (`paged.attend_rows`, fixed shapes)."""
