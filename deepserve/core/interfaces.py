@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from deepserve.core.fused_ops import FusedOps, VisibleRows
 from deepserve.core.outputs import PositionLogprobs
@@ -170,9 +170,10 @@ PLACEHOLDER = -1
 DRAFT_PLACEHOLDER = -2
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkInput:
-    """One request's tokens for one step.
+class ChunkInput(NamedTuple):
+    """One request's tokens for one step (a named tuple, not a frozen dataclass: the engine builds one per request
+    per step, and a frozen dataclass's `__init__` sets each of these 17 fields through `object.__setattr__`, about
+    9x the time of a tuple's: 0.4 ms of host time a step at 256 requests).
 
     `token_ids` cover positions [start, start + len); `PLACEHOLDER` entries are the tokens the previous step sampled
     for this request. A request the runner has no state for starts at `start` (0, or a prefix-cache hit whose

@@ -9,8 +9,6 @@ which drafter runs (MTP, DSpark's, a plugin's) is the proposer's business alone.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, PLACEHOLDER, ChunkInput, StepMasks, StepOutput
@@ -57,12 +55,12 @@ class Speculation:
         it = iter(drafts)
         ids = tuple(sampled if t == PLACEHOLDER else next(it) if t == DRAFT_PLACEHOLDER else t for t in ids)
         if not chunk.relative:
-            return dataclasses.replace(chunk, token_ids=ids)
+            return chunk._replace(token_ids=ids)
         start = self.runner._seqs[chunk.request_id].state.num_tokens
         P, table = self.runner.cache.page_size, chunk.block_table
         snaps = tuple((b, table[b // P - 1]) for b in range((start // P + 1) * P, start + len(ids) + 1, P)) \
             if self.runner.page_snapshots else ()
-        return dataclasses.replace(chunk, start=start, token_ids=ids, snapshots=snaps)
+        return chunk._replace(start=start, token_ids=ids, snapshots=snaps)
 
     def _verify(self, logits, last_rows: list[int], chunks, sampling: list[int], grammar, undo, out: StepOutput):
         """Keep or reject the drafts of every sampling chunk, sample the token after them, roll back. Returns

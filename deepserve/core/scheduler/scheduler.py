@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from deepserve.core.interfaces import DRAFT_PLACEHOLDER, PLACEHOLDER
 from deepserve.core.kv.manager import KVCacheManager
@@ -41,9 +42,9 @@ from deepserve.core.stop_checker import check_stop
 
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens `[start, start + len(token_ids))` of one request, to compute this step.
+class ScheduledChunk(NamedTuple):
+    """Tokens `[start, start + len(token_ids))` of one request, to compute this step (a named tuple: one per
+    request per step, built faster than a frozen dataclass; `_add_chunk` makes them, never empty).
 
     `samples` is True when the chunk ends at the request's last token, so the runner samples a token. A token id
     `PLACEHOLDER` stands for the token the previous step samples for this request. The last `num_draft_tokens`
@@ -58,11 +59,6 @@ class ScheduledChunk:
     num_draft_tokens: int = 0
     relative: bool = False
     forced_drafts: bool = False
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or not self.token_ids:
-            raise ValueError(f"a chunk needs start >= 0 and at least one token, got start={self.start}, "
-                             f"{len(self.token_ids)} tokens")
 
 
 @dataclass(frozen=True, slots=True)
