@@ -126,7 +126,8 @@ class CostModelConfig:
 def _features(chunks: Iterable[Chunk]) -> Features:
     sum_n = sum_np = sum_nn = 0
     for n, p in chunks:
-        n, p = _count("n", n, 1), _count("p", p, 0)
+        if type(n) is not int or type(p) is not int or n < 1 or p < 0:  # (checked per chunk per step: plain ints
+            n, p = _count("n", n, 1), _count("p", p, 0)                  # pass at once, the rest named or taken)
         sum_n, sum_np, sum_nn = sum_n + n, sum_np + n * p, sum_nn + n * n
     return (1, sum_n, sum_np, sum_nn)
 
