@@ -171,10 +171,9 @@ class DecodeGraphs:
             output = bucket.output
         else:
             output = self.model(bucket.batch, layout=bucket.layout)
+        streams = self._streams
         for c, st in zip(chunks, states):  # what the graph leaves to the host: the row and token counts
-            for layer, name, ratio in self._streams:
-                getattr(st.layers[layer], name).rows.num_rows = c.end // ratio
-            st.num_tokens = c.end
+            st.advance(c.end, streams)
         self._snapshots(chunks, states)
         return ForwardOutput(streams=output.streams[:B], logits=output.logits[:B])
 

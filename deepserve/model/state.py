@@ -14,6 +14,7 @@ Row stores grow by doubling here; the paged KV manager of the engine replaces th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,3 +252,23 @@ class SequenceState:
     mtp_layers: list[AttentionState] = field(default_factory=list)
     num_tokens: int = 0
     mtp_num_tokens: int = 0
+    #: the compressed streams' row stores grouped by ratio, made at the first `advance` (they never change)
+    _rows_by_ratio: tuple | None = field(default=None, repr=False, compare=False)
+
+    def advance(self, num_tokens: int, streams: Sequence[tuple[int, str, int]]) -> None:
+        """After a step whose state the device advanced without the host (a CUDA graph's): the main layers hold
+        `num_tokens` tokens, so each compressed stream in `streams` (the model's: (layer, "compressor" or
+        "indexer", ratio), the same list at every call) holds num_tokens // ratio rows. Runs for every sequence of
+        every graphed step, for some 65 streams at V4-Flash's depth: the row stores are looked up once per
+        sequence and set ratio by ratio (bench/investigations/static_row_counts.py)."""
+        groups = self._rows_by_ratio
+        if groups is None:
+            by_ratio: dict[int, list] = {}
+            for layer, name, ratio in streams:
+                by_ratio.setdefault(ratio, []).append(getattr(self.layers[layer], name).rows)
+            groups = self._rows_by_ratio = tuple((ratio, tuple(rows)) for ratio, rows in by_ratio.items())
+        for ratio, rows in groups:
+            count = num_tokens // ratio
+            for store in rows:
+                store.num_rows = count
+        self.num_tokens = num_tokens

@@ -238,10 +238,9 @@ class VerifyGraphs(DecodeGraphs):
             self._rollback(bucket)
         if bucket.copied is not None:
             bucket.copied.record()  # (both staging buffers are free once this point is reached)
+        streams = self._streams
         for st, n in zip(step.states, step.keep):
-            for layer, name, ratio in self._streams:
-                getattr(st.layers[layer], name).rows.num_rows = n // ratio
-            st.num_tokens = n
+            st.advance(n, streams)
 
     def _make_bucket(self, seqs: int, pages: int) -> _VerifyBucket:
         cache, device, width = self.cache, self.device, self.width
