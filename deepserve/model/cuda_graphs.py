@@ -196,10 +196,14 @@ class DecodeGraphs:
         if not snaps:
             return
         slot, end, page = to_device(snaps, torch.long, self.device).unbind(1)
+        ring_rows: dict[int, torch.Tensor] = {}  # per window size (every layer's, as a rule): made once a step
         for pools in self.cache.layers:
             W = pools.spec.window
-            positions = end[:, None] - W + torch.arange(W, device=self.device)[None, :]
-            pools.snap_window[page] = pools.storage[slot[:, None] * W + positions % W]
+            rows = ring_rows.get(W)
+            if rows is None:
+                positions = end[:, None] - W + torch.arange(W, device=self.device)[None, :]
+                rows = ring_rows[W] = slot[:, None] * W + positions % W
+            pools.snap_window[page] = pools.storage[rows]
             for stream in (pools.compressor, pools.indexer):
                 if stream is not None and stream.spec.overlap:
                     stream.snap_kv[page] = stream.prev_kv[slot]

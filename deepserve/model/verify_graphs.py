@@ -202,14 +202,18 @@ class VerifyGraphs(DecodeGraphs):
         width, device = self.width, self.device
         seq, start, boundary, page = to_device(snaps, torch.long, device).unbind(1)
         slot = bucket.meta[seq * width, 1]
+        where: dict[tuple[int, int], tuple] = {}  # per window size and saved-rows length: made once a step
         for layer, pools in enumerate(self.cache.layers):
-            W = pools.spec.window
-            q = boundary[:, None] - W + torch.arange(W, device=device)[None, :]  # the window's positions
-            later = q + W  # the position whose ring row took q's
-            saved = (q < start[:, None]) & (later >= start[:, None]) & (later < start[:, None] + width)
-            saved_row = (seq[:, None] * width + later - start[:, None]).clamp(0, bucket.rings[layer].shape[0] - 1)
-            ring = pools.storage[slot[:, None] * W + q % W]
-            pools.snap_window[page] = torch.where(saved[..., None], bucket.rings[layer][saved_row], ring)
+            W, saved_rows = pools.spec.window, bucket.rings[layer]
+            key = (W, saved_rows.shape[0])
+            if key not in where:
+                q = boundary[:, None] - W + torch.arange(W, device=device)[None, :]  # the window's positions
+                later = q + W  # the position whose ring row took q's
+                saved = (q < start[:, None]) & (later >= start[:, None]) & (later < start[:, None] + width)
+                saved_row = (seq[:, None] * width + later - start[:, None]).clamp(0, saved_rows.shape[0] - 1)
+                where[key] = (saved[..., None], saved_row, slot[:, None] * W + q % W)
+            saved, saved_row, ring_row = where[key]
+            pools.snap_window[page] = torch.where(saved, saved_rows[saved_row], pools.storage[ring_row])
         for layer, name, stream in self._stream_pools():
             if not stream.spec.overlap:
                 continue
