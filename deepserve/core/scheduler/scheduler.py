@@ -278,7 +278,11 @@ class Scheduler:
                     finished.append(request)
                 continue
             request.num_pending_tokens -= 1 + k
-            if any(self._append_token(request, token) for token in new_tokens):  # stops at the first that ends it
+            if len(new_tokens) == 1:  # a decode step's one token (no generator: this runs per request per step)
+                ends = self._append_token(request, new_tokens[0])
+            else:  # kept drafts, then the sample: stops at the first that ends the request
+                ends = any(self._append_token(request, token) for token in new_tokens)
+            if ends:
                 if request in self.running:
                     self.running.remove(request)
                 else:  # preempted after this step was planned: it waits for recompute
