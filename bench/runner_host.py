@@ -1,7 +1,7 @@
 """Host milliseconds of a decode step through `LLM.generate`, the model runner included, with the device's work
 taken out: can the engine and the runner together keep a GPU busy?
 
-    python bench/runner_host.py [--batches 1,64,256] [--steps 60] [--generated 0,1000] [--out FILE]
+    python bench/runner_host.py [--batches 1,64,256] [--steps 60] [--generated 0,1000] [--layers 43] [--out FILE]
     python bench/runner_host.py --baseline /tmp/old --repeats 3 ...   # an older tree's package too, alternately
 
 bench/engine_host.py times `EngineCore.step()` over an executor that returns its samples at once, so it leaves out
@@ -123,18 +123,27 @@ class Drafter:
         return Drafts(torch.full((n, self.num_speculative_tokens), TOKEN, dtype=torch.long), None) if n else None
 
 
+def depth(layers: int) -> dict:
+    """The demo checkpoint's overrides for `layers` layers (none for 0): two window-only, then CSA / HCA."""
+    if not layers:
+        return {}
+    kinds = ["sliding_attention"] * 2 + [("compressed_sparse_attention", "heavily_compressed_attention")[i % 2]
+                                         for i in range(layers - 2)]
+    return {"num_hidden_layers": layers, "layer_types": kinds[:layers]}
+
+
 def compare(args) -> dict:
     """Each case `repeats` times with the baseline package and with this one, alternately, in child processes;
     the fastest of each, and their ratio."""
     trees = {"baseline": str(args.baseline.resolve()), "current": ""}
     res = {"python": sys.version.split()[0], "steps": args.steps, "repeats": args.repeats,
-           "baseline": trees["baseline"], "ms_per_step": {}}
+           "layers": args.layers or 6, "baseline": trees["baseline"], "ms_per_step": {}}
     for gen, b in itertools.product(args.generated.split(","), args.batches.split(",")):
         runs: dict[str, list[float]] = {"baseline": [], "current": []}
         for _ in range(args.repeats):
             for name, tree in trees.items():
                 res_child = child_result(__file__, ["--batches", b, "--generated", gen, "--steps", str(args.steps),
-                                                    "-k", str(args.k)], tree)
+                                                    "-k", str(args.k), "--layers", str(args.layers)], tree)
                 runs[name].append(next(iter(res_child["ms_per_step"].values()))["ms"])
         old, new = min(runs["baseline"]), min(runs["current"])
         res["ms_per_step"][f"{b}+{gen}"] = {"batch": int(b), "generated": int(gen), "baseline": old, "current": new,
@@ -151,6 +160,9 @@ def main() -> None:
     ap.add_argument("--generated", default="0", help="tokens decoded before the timed steps, comma-separated")
     ap.add_argument("-k", type=int, default=0, help="speculative steps of k drafts, every one kept (0: decode)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each case (the fastest counts)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers of the checkpoint (0: the demo's 6); N > 0: two window-only layers, then CSA and "
+                         "HCA alternating (V4-Flash has 43), for the host work that grows with depth")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package (`git archive REV deepserve | tar -x -C DIR`), measured "
                          "alternately with this one in child processes")
@@ -163,9 +175,9 @@ def main() -> None:
         from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
         res = {"python": sys.version.split()[0], "package": str(Path(deepserve.__file__).parent),
-               "steps": args.steps, "ms_per_step": {}}
+               "steps": args.steps, "layers": args.layers or 6, "ms_per_step": {}}
         with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2)
+            checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2, **depth(args.layers))
             for gen, b in itertools.product(map(int, args.generated.split(",")), map(int, args.batches.split(","))):
                 ms = min(measure(b, args.steps, gen, checkpoint, args.k) for _ in range(args.repeats))
                 res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "k": args.k, "ms": ms}
