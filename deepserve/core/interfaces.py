@@ -172,8 +172,8 @@ DRAFT_PLACEHOLDER = -2
 
 class ChunkInput(NamedTuple):
     """One request's tokens for one step (a named tuple, not a frozen dataclass: the engine builds one per request
-    per step, and a frozen dataclass's `__init__` sets each of these 17 fields through `object.__setattr__`, about
-    9x the time of a tuple's: 0.4 ms of host time a step at 256 requests).
+    per step, and a frozen dataclass's `__init__` sets each of these 17 fields through `object.__setattr__`, several
+    times a tuple's cost; bench/runner_host.py measures the host's step).
 
     `token_ids` cover positions [start, start + len); `PLACEHOLDER` entries are the tokens the previous step sampled
     for this request. A request the runner has no state for starts at `start` (0, or a prefix-cache hit whose
