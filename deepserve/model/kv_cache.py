@@ -96,12 +96,13 @@ class _StreamPools:
         snap = (num_pages, spec.ratio, spec.dim) if spec.overlap else (0,)
         self.snap_kv, self.snap_gate = torch.zeros(snap, **f32), torch.zeros(snap, **f32)
 
-    def state(self, slot: int, table: list[int], num_rows: int) -> CompressorState:
+    def state(self, slot: int, table: list[int], num_rows: int, cleared: list[torch.Tensor]) -> CompressorState:
+        """The stream's state for the sequence in `slot`; its open frontier goes into `cleared` (to be zeroed)."""
         o = self.spec.overlap
-        self.open_kv[slot].zero_()
-        self.open_gate[slot].zero_()
+        open_kv, open_gate = self.open_kv[slot], self.open_gate[slot]
+        cleared += (open_kv, open_gate)
         return CompressorState(
-            PagedRows(self.rows, table, num_rows, self.codec), self.open_kv[slot], self.open_gate[slot],
+            PagedRows(self.rows, table, num_rows, self.codec), open_kv, open_gate,
             self.prev_kv[slot] if o else None, self.prev_gate[slot] if o else None,
             self.snap_kv if o else None, self.snap_gate if o else None,
         )
@@ -144,13 +145,15 @@ class _LayerPools:
                                     precision.index_key_codec(spec.indexer.dim, dtype), device) \
             if spec.indexer else None
 
-    def state(self, slot: int, table: list[int], num_tokens: int) -> AttentionState:
-        self.window[slot].zero_()
+    def state(self, slot: int, table: list[int], num_tokens: int, cleared: list[torch.Tensor]) -> AttentionState:
+        """The layer's state for the sequence in `slot`; its window ring and open frontiers go into `cleared`."""
+        window = self.window[slot]
+        cleared.append(window)
 
         def stream(pools: _StreamPools | None) -> CompressorState | None:
-            return None if pools is None else pools.state(slot, table, num_tokens // pools.spec.ratio)
+            return None if pools is None else pools.state(slot, table, num_tokens // pools.spec.ratio, cleared)
 
-        return AttentionState(WindowRing(self.window[slot], self.codec), stream(self.compressor),
+        return AttentionState(WindowRing(window, self.codec), stream(self.compressor),
                               stream(self.indexer), self.snap_window, slot=slot, pools=self)
 
     def restore(self, st: AttentionState, page: int, boundary: int) -> None:
@@ -250,7 +253,10 @@ class PagedKVCache:
         if num_cached_tokens % self.page_size:
             raise ValueError(f"a prefix hit must end on a page boundary, got {num_cached_tokens} tokens")
         slot = self._free_slots.pop()
-        states = {owner: [p.state(slot, table, num_cached_tokens) for p in pools] for owner, pools in self.pools.items()}
+        cleared: list[torch.Tensor] = []  # the slot's rings and open frontiers, zeroed together (one launch on a GPU)
+        states = {owner: [p.state(slot, table, num_cached_tokens, cleared) for p in pools]
+                  for owner, pools in self.pools.items()}
+        torch._foreach_zero_(cleared)
         if num_cached_tokens:
             page = table[num_cached_tokens // self.page_size - 1]
             for owner, pools in self.pools.items():
