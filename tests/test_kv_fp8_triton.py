@@ -195,26 +195,29 @@ def check_store_rows(k, device, kind: str, width: int, rope: int = 0, dtype=torc
 
 @contextlib.contextmanager
 def kernel_calls():
-    """Counts the calls of the packed-row kernels' entry points while in the block: {"attention", "indexer"}."""
-    from deepserve.backends.nvidia.triton_ops import packed_kv
+    """Counts the calls of the packed-row kernels' entry points while in the block: {"attention", "indexer",
+    "writes"} (the reads, and the FP8 row and FP4 key stores together)."""
+    from deepserve.backends.nvidia.triton_ops import packed_kv, packed_writes
 
-    calls, kept = {"attention": 0, "indexer": 0}, {}
+    calls, kept = {"attention": 0, "indexer": 0, "writes": 0}, {}
 
-    def counted(name, attr):
-        kernel = kept[attr] = getattr(packed_kv, attr)
+    def counted(name, module, attr):
+        kernel = kept[module, attr] = getattr(module, attr)
 
         def run(*args, **kwargs):
             calls[name] += 1
             return kernel(*args, **kwargs)
-        setattr(packed_kv, attr, run)
+        setattr(module, attr, run)
 
-    counted("attention", "sparse_mqa_packed")
-    counted("indexer", "indexer_topk_packed")
+    counted("attention", packed_kv, "sparse_mqa_packed")
+    counted("indexer", packed_kv, "indexer_topk_packed")
+    counted("writes", packed_writes, "store_fp8_rows")
+    counted("writes", packed_writes, "store_fp4_keys")
     try:
         yield calls
     finally:
-        for attr, kernel in kept.items():
-            setattr(packed_kv, attr, kernel)
+        for (module, attr), kernel in kept.items():
+            setattr(module, attr, kernel)
 
 
 def lowest_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -252,7 +255,8 @@ def check_packed_kv_ops(backend, device, dtype=torch.float32, seed=0) -> None:
                 results.append(backend.indexer_topk_packed(iq, weights, pages, kcodec, tables, key_count, topk, rows))
         finally:
             del backend.read_packed
-        assert calls == ({"attention": 2, "indexer": 1} if read_packed else {"attention": 0, "indexer": 0})
+        assert calls == ({"attention": 2, "indexer": 1, "writes": 0} if read_packed else
+                         {"attention": 0, "indexer": 0, "writes": 0})
     for packed, decoded in zip(results[:2], results[3:5]):
         assert rel_err(packed, decoded) < tolerance(dtype)
     scores = reference_index_scores(iq, weights, kcodec.decode(pages), tables, rows, key_count)
@@ -273,7 +277,6 @@ def check_engine_stores(checkpoint: str) -> None:
     bytes equal after the run (rings, scratch, compressed pages, indexer key pages, snapshots); the packed read and
     write kernels ran in the first only."""
     from deepserve import LLM, SamplingParams
-    from deepserve.backends.nvidia.triton_ops import packed_writes
 
     prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(24)]}
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -282,21 +285,9 @@ def check_engine_stores(checkpoint: str) -> None:
         llm = LLM(model=checkpoint, accelerator="nvidia", device="cpu", dtype="bfloat16", kv_cache_dtype="fp8",
                   enforce_eager=True)
         llm.model.backend.write_packed = llm.model.backend.read_packed = packed
-        calls, kept = [0], (packed_writes.store_fp8_rows, packed_writes.store_fp4_keys)
-
-        def counted(kernel):
-            def run(*args, **kwargs):
-                calls[0] += 1
-                return kernel(*args, **kwargs)
-            return run
-        packed_writes.store_fp8_rows, packed_writes.store_fp4_keys = map(counted, kept)
-        try:
-            with kernel_calls() as reads:
-                tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
-        finally:
-            packed_writes.store_fp8_rows, packed_writes.store_fp4_keys = kept
-        assert (calls[0] > 0) == packed and (reads["indexer"] > 0) == packed == (reads["attention"] > 0), (calls,
-                                                                                                          reads)
+        with kernel_calls() as calls:
+            tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert all((count > 0) == packed for count in calls.values()), calls
         pools = [t.clone() for layer in llm.cache.layers
                  for t in (layer.storage, layer.snap_window, getattr(layer.indexer, "rows", None)) if t is not None]
         assert pools and all(t.dtype == torch.uint8 for t in pools)
