@@ -253,7 +253,7 @@ class SequenceState:
     num_tokens: int = 0
     mtp_num_tokens: int = 0
     #: the compressed streams' row stores grouped by ratio, made at the first `advance` (they never change)
-    _rows_by_ratio: tuple | None = field(default=None, repr=False, compare=False)
+    _rows_by_ratio: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def advance(self, num_tokens: int, streams: Sequence[tuple[int, str, int]]) -> None:
         """After a step whose state the device advanced without the host (a CUDA graph's): the main layers hold
