@@ -13,6 +13,7 @@ multiply the same key values."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import traceback
@@ -309,9 +310,12 @@ def check_engine_static_fp8(checkpoint: str) -> None:
     prompt = {"prompt_token_ids": [(37 * i + 11) % 200 + 30 for i in range(13)]}
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     runs, stores, steps, fused = [], [], [], decode.compress_decode
+    signature = inspect.signature(fused)
 
-    def counted(*args, **kwargs):
-        stores.append(kwargs.get("store", args[14] if len(args) > 14 else "values"))
+    def counted(*args, **kwargs):  # the `store` argument by name, wherever the caller put it
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        stores.append(bound.arguments["store"])
         return fused(*args, **kwargs)
 
     for static in (False, True):
