@@ -73,8 +73,12 @@ def weather_args(arguments: str | dict) -> dict:
 @pytest.fixture(scope="module")
 def langchain_chat(server):
     langchain_openai = pytest.importorskip("langchain_openai")
-    return lambda **kw: langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=KEY,
-                                                    max_retries=0, timeout=300, **kw)
+    import openai
+
+    # langchain caches a default HTTP client per base URL for the process's life; one of our own is closed here
+    with openai.DefaultHttpxClient(timeout=300) as http_client:
+        yield lambda **kw: langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=KEY,
+                                                       max_retries=0, timeout=300, http_client=http_client, **kw)
 
 
 def test_langchain_invoke_and_stream_honour_max_tokens(langchain_chat):
@@ -115,8 +119,12 @@ def test_langchain_bind_tools_with_a_forced_tool_and_n(langchain_chat):
 @pytest.fixture(scope="module")
 def completion(server):
     litellm = pytest.importorskip("litellm")
-    return lambda **kw: litellm.completion(model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key=KEY,
-                                           **kw)
+    import openai
+
+    # litellm caches its own HTTP client for the process's life; an OpenAI client of our own is closed here
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+        yield lambda **kw: litellm.completion(model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key=KEY,
+                                              client=client, **kw)
 
 
 def test_litellm_length_n_penalties_and_logit_bias(completion):
