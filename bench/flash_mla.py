@@ -67,7 +67,12 @@ def main() -> None:
 
     backend = NvidiaBackend("cuda")
     if backend.flash_mla is None:
-        raise SystemExit("flash_mla does not load here (install the wheel of scripts/build_vendor_kernels.sh)")
+        try:  # say why: the backend logs the import's failure at debug level only
+            import flash_mla  # noqa: F401
+            why = f"it imports; capability {torch.cuda.get_device_capability()}"
+        except Exception as e:  # noqa: BLE001 - reported
+            why = f"{type(e).__name__}: {e}"
+        raise SystemExit(f"flash_mla does not load here ({why}); install the wheel of scripts/build_vendor_kernels.sh")
     flash = backend.flash_mla
     g = torch.Generator().manual_seed(0)
     codec, stored = packed_kv_rows(args.rows, 512, 64, torch.bfloat16, g, "cuda")

