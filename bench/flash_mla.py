@@ -67,11 +67,13 @@ def main() -> None:
 
     backend = NvidiaBackend("cuda")
     if backend.flash_mla is None:
-        try:  # say why: the backend logs the import's failure at debug level only
-            import flash_mla  # noqa: F401
-            why = f"it imports; capability {torch.cuda.get_device_capability()}"
-        except Exception as e:  # noqa: BLE001 - reported
-            why = f"{type(e).__name__}: {e}"
+        from deepserve.backends.nvidia import vendor
+
+        module = vendor._vendor_module("flash_mla")  # say why: each condition of vendor.load_flash_mla
+        why = "it does not import (logged above)" if module is None else (
+            f"has flash_mla_with_kvcache {hasattr(module, 'flash_mla_with_kvcache')}, get_mla_metadata "
+            f"{hasattr(module, 'get_mla_metadata')}, capability {torch.cuda.get_device_capability()}, load() -> "
+            f"{vendor.FlashMlaDecode.load(torch.cuda.current_device())}")
         raise SystemExit(f"flash_mla does not load here ({why}); install the wheel of scripts/build_vendor_kernels.sh")
     flash = backend.flash_mla
     g = torch.Generator().manual_seed(0)

@@ -26,6 +26,7 @@ each shape's first product is checked against the Triton kernel's and a mismatch
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 
 import torch
@@ -44,7 +45,12 @@ def _vendor_module(name: str):
     try:
         return importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - a missing or broken vendor package means "use Triton"
-        logger.debug("%s not used: %s", name, e)
+        try:
+            installed = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            installed = False
+        # installed but broken is worth a warning (the user meant to use it); not installed is the usual case
+        (logger.warning if installed else logger.debug)("%s not used: %s: %s", name, type(e).__name__, e)
         return None
 
 
