@@ -50,7 +50,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                          gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                          enforce_eager=args.enforce_eager, quantization=args.quantization,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype, generation_config=args.generation_config)
     if args.cuda_graph_sizes is not None:
         engine_kwargs["cuda_graph_sizes"] = args.cuda_graph_sizes
     if args.skip_warm_up:  # else the engine's default: warm up on every device but the CPU
@@ -224,6 +224,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                        help="decode batch sizes captured as CUDA graphs at start-up (default 1 2 4 8 12 16 24 32 "
                        "48 ... up to --max-num-seqs); larger steps run without a graph")
+    serve.add_argument("--generation-config", default="auto",
+                       help="the sampling defaults of requests that leave a field out: 'auto' (the model's "
+                            "generation_config.json), 'vllm' (ignore it: temperature 1, no penalties), or a folder "
+                            "holding a generation_config.json (default: auto)")
     serve.add_argument("--skip-warm-up", "--skip-server-warmup", dest="skip_warm_up", action="store_true",
                        help="serve without first running every kind of step once (prompt chunks of each size, "
                        "prefix, mixed and verify steps) to compile their kernels: a faster start, and the first "

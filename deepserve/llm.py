@@ -16,6 +16,7 @@ from typing import Any, Union
 from tqdm import tqdm
 
 from deepserve.build import build_engine, resolve_config
+from deepserve.core.generation_config import sampling_defaults
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 
@@ -45,7 +46,11 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
-        self.parts = build_engine(resolve_config(model, **options))
+        config = resolve_config(model, **options)
+        #: the model's sampling defaults (`generation_config`): `SamplingParams` keyword arguments; read before
+        #: the engine is built, so a malformed file fails fast
+        self.sampling_defaults = sampling_defaults(config.generation_config, config.model)
+        self.parts = build_engine(config)
         parts = self.parts
         self.config, self.plugin_manager, self.backend = parts.config, parts.plugin_manager, parts.backend
         self.model, self.tokenizer, self.max_model_len = parts.model, parts.tokenizer, parts.max_model_len
@@ -66,7 +71,7 @@ class LLM:
             raise RuntimeError("this LLM's engine is driven by an AsyncEngine; use AsyncEngine.generate")
         prompts = self._as_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -87,6 +92,11 @@ class LLM:
         return [results[r] for r in order]
 
     # -- requests in ---------------------------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the parameters `generate` uses when given none, the model's `generation_config.json` sampling
+        fields over the library's defaults (`generation_config="vllm"`: the library's alone)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def _compile_grammars(self, params: list[SamplingParams]) -> None:
         """Compile every structured-output spec now (in parallel, cached for the engine), so an invalid schema,
         regex or grammar, or a compile timeout, raises ValueError before any request runs."""

@@ -435,6 +435,9 @@ class EngineConfig:
       caller's Python (the server's streams, JSON, socket writes) does not share the engine's GIL. Behind a
       data-parallel front every engine already runs in its own process. `DEEPSERVE_ENGINE_PROCESS` sets it when
       not given.
+    - `generation_config` (vLLM's): `auto` takes the model's `generation_config.json` sampling fields as the
+      defaults of requests that leave them out; `vllm` ignores the file; a folder path reads that folder's file
+      (`deepserve.core.generation_config`).
     - `engram_device` (DeepSeek-V4.1 checkpoints only; docs/v41.md): `cpu` keeps the Engram tables in host memory
       whatever device the model runs on (each step gathers its rows there and copies them over); None (the
       default) puts them with the model.
@@ -490,6 +493,7 @@ class EngineConfig:
     eplb_step_interval: int = 1000
     engram_device: str | None = None
     engine_process: bool = False
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -585,6 +589,9 @@ class EngineConfig:
                              "every node must meet at the same address and port")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                             f"got {self.generation_config!r}")
         if not self.data_parallel_timeout > 0:
             raise ValueError(f"data_parallel_timeout must be positive seconds, got {self.data_parallel_timeout}")
         if isinstance(self.num_redundant_experts, bool) or not isinstance(self.num_redundant_experts, int) \

@@ -166,8 +166,10 @@ class RecipeCodec:
         model.check_prompt_text(rendered.prompt)  # milliseconds; tokenizing an oversized prompt takes seconds
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
-        max_tokens = self._max_tokens(conv, protocol, body, len(ids), model.max_model_len)
-        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec))
+        max_tokens = self._max_tokens(conv, protocol, body, len(ids), model.max_model_len,
+                                      model.sampling_defaults.get("max_tokens", self.default_max_tokens))
+        params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec,
+                                                   model.sampling_defaults))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
 
         def fork() -> tuple[dr.StreamProcessor, OutputUsage]:
@@ -186,12 +188,13 @@ class RecipeCodec:
                         constraint.field if constraint is not None else None, fork, n, session_id)
 
     def _max_tokens(self, conv: dr.ConversationRequest, protocol: Protocol, body: dict[str, Any],
-                    num_prompt_tokens: int, max_model_len: int) -> int:
-        """The request's own limit (past the context: the recipe's 400), else `default_max_tokens` lowered to the
-        context the prompt leaves (the recipe's own default would be 8,192, or 65,536 tokens when thinking)."""
+                    num_prompt_tokens: int, max_model_len: int, default: int) -> int:
+        """The request's own limit (past the context: the recipe's 400), else `default` (the model's
+        `max_new_tokens`, else `default_max_tokens`) lowered to the context the prompt leaves (the recipe's own
+        default would be 8,192, or 65,536 tokens when thinking)."""
         if conv.inference_options.max_tokens is not None:
             return _recipe(lambda: conv.resolve_max_tokens(num_prompt_tokens, max_model_len), protocol, body)
-        return max(1, min(self.default_max_tokens, max_model_len - num_prompt_tokens))
+        return max(1, min(default, max_model_len - num_prompt_tokens))
 
     def thinking_default(self, protocol: Protocol) -> bool:
         """The thinking mode of a request that does not choose: the server's, except on Messages, where Anthropic's
@@ -239,20 +242,25 @@ def _constraint(protocol: Protocol, conv: dr.ConversationRequest, body: dict[str
 
 
 def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[str, Any],
-                     structured_outputs: GrammarSpec | None = None) -> SamplingParams:
+                     structured_outputs: GrammarSpec | None = None,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The recipe's options plus what it does not carry: `top_k` on every protocol, `seed` on Responses and
     Messages (validated with the other routes' fields: `deepserve.server.validation`), and the penalties,
     `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none), and `cache_ttl` (`CACHE_FIELDS`, on every
-    protocol). `detokenize=False`: the stream processor
+    protocol). `defaults`: the model's sampling defaults (generation_config.json) for the fields the request
+    leaves out. `detokenize=False`: the stream processor
     decodes the token ids itself, so the engine does not decode them a second time."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
+    # the recipe fills temperature and top_p with 1.0 when the body has none (and leaves them out when thinking):
+    # only the body's own values win over the model's defaults
+    given = {name: getattr(options, name) if body.get(name) is not None else None for name in ("temperature", "top_p")}
+    given["top_k"] = top_k
+    fields = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"} \
+        | {name: value for name, value in given.items() if value is not None} | penalty_fields(body)
     try:
-        return SamplingParams(temperature=1.0 if options.temperature is None else options.temperature,
-                              top_p=1.0 if options.top_p is None else options.top_p,
-                              top_k=0 if top_k is None else top_k, seed=seed, max_tokens=max_tokens,
-                              logprobs=logprobs, structured_outputs=structured_outputs, detokenize=False,
-                              **penalty_fields(body), **cache_fields(body))
+        return SamplingParams(seed=seed, max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=structured_outputs, detokenize=False, **fields, **cache_fields(body))
     except ValueError as exc:
         raise sampling_error(exc) from None
 

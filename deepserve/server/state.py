@@ -39,6 +39,9 @@ class ModelInfo:
     encoder: TextEncoder | None = None
     prompt_bound: PromptBound | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    #: the model's sampling defaults (`LLM.sampling_defaults`: its generation_config.json's, `SamplingParams`
+    #: keyword arguments) for the fields a request leaves out
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, config: ServerConfig) -> ModelInfo:
@@ -48,7 +51,8 @@ class ModelInfo:
         encoder = TextEncoder(tokenizer) if tokenizer is not None else None
         bound = PromptBound.from_tokenizer_json(tokenizer.to_str()) if tokenizer is not None else None
         return cls(config.model_name, str(config.model), llm.max_model_len, cfg.vocab_size,
-                   tuple(cfg.eos_token_ids), tokenizer, encoder, bound)
+                   tuple(cfg.eos_token_ids), tokenizer, encoder, bound,
+                   sampling_defaults=dict(getattr(llm, "sampling_defaults", {})))
 
     def check_prompt_text(self, text: str, param: str | None = None) -> None:
         """400 `context_length_exceeded` for a text that cannot fit the context whatever its tokens, found from
