@@ -138,7 +138,9 @@ async def test_streams_aborts_structured_metrics_and_shutdown(aiohttp_client, on
     (proc,) = front.processes
     assert proc in multiprocessing.active_children()
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    want = one.generate([prompt], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    # the request sets no penalty: the model's defaults (its generation_config.json) hold for it, behind the front too
+    params = SamplingParams(**{**one.sampling_defaults, "temperature": 0, "max_tokens": 10})
+    want = one.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True}
     streamed = await asyncio.wait_for((await client.post("/v1/completions", json=body)).text(), 60)

@@ -219,11 +219,11 @@ async def test_responses_and_messages_constraints(client):
 
 
 EMBEDDED = Path(deepserve.__file__).parent / "assets" / "deepserve-tiny-v4"
-#: prompts in the shape the embedded model was trained on ("Write a Python function ..."), on which its greedy
-#: reasoning ends with </think> within a few dozen tokens
-#: requests the embedded model ends its reasoning for within the test's max_tokens
+#: prompts in the shape the embedded model was trained on ("Write a Python function ..."), on which its reasoning
+#: ends with </think> within the test's max_tokens: a thinking request samples (deepseek-recipe leaves its
+#: temperature out, as DeepSeek's API ignores it when thinking), so the test seeds them
 TRAINED_ASKS = ["Write a Python function `greet(name)`.\n\nReturn a greeting for name.",
-                "Implement `join_words(words)`: join the words with spaces."]
+                "Write a Python function `add(a, b)`.\n\nReturn the sum of a and b."]
 #: one the model ends its reasoning for through the Anthropic endpoint, which samples a thinking request (at
 #: temperature 1, as Anthropic's API does; seeded below) whatever the temperature asked
 MESSAGES_ASK = [{"role": "user", "content": "Implement `join_words(words)`: join the words with spaces."}]
@@ -237,7 +237,7 @@ async def test_a_constraint_with_thinking_applies_after_the_thinking_section(aio
     asks = [[{"role": "user", "content": text}] for text in TRAINED_ASKS]
     for messages in asks:
         r = await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": messages, "max_tokens": 80, "temperature": 0,
+            "model": MODEL, "messages": messages, "max_tokens": 80, "temperature": 0, "seed": 2,
             "thinking": {"type": "enabled"}, "structured_outputs": {"json": OP}})
         message = (await r.json())["choices"][0]["message"]
         assert r.status == 200 and message["reasoning_content"], message
@@ -245,7 +245,7 @@ async def test_a_constraint_with_thinking_applies_after_the_thinking_section(aio
             json.loads(message["reasoning_content"])
         jsonschema.validate(json.loads(message["content"]), OP)
     r = await client.post("/v1/messages", json={
-        "model": MODEL, "messages": MESSAGES_ASK, "max_tokens": 80, "temperature": 0, "seed": 0,
+        "model": MODEL, "messages": MESSAGES_ASK, "max_tokens": 80, "temperature": 0, "seed": 2,
         "thinking": {"type": "enabled", "budget_tokens": 1024}, "output_format": {"type": "json_schema", "schema": OP}})
     body = await r.json()
     assert r.status == 200 and [block["type"] for block in body["content"]] == ["thinking", "text"], body

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from deepserve.core.config import CSA, HCA, SLIDING, ModelConfig
@@ -41,19 +42,33 @@ def train_gpu_options(command: str) -> str:
         del words[at : at + 2]
     return " ".join(words)
 
+def gpu_short(metrics: dict) -> str:
+    """The GPU's model from the run's recorded device name ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    name = metrics.get("device_name") or metrics.get("train", {}).get("device_name", "GPU")
+    found = re.search(r"\b[A-Z]{1,2}\d{2,4}[A-Z]?\b", name)
+    return found.group(0) if found else name
+
+
+def sample_defaults(model_dir: Path) -> dict:
+    """The model's sampling defaults the samples are generated with (its generation_config.json's)."""
+    from deepserve.core.generation_config import sampling_defaults
+
+    return sampling_defaults("auto", model_dir)
+
+
 def samples(model_dir: Path) -> list[dict]:
     from deepserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="float32", load_plugins=False, accelerator="cpu")
     enc = corpus.v41_encoding(model_dir / "tokenizer.json")
+    greedy = lambda n: SamplingParams(**{**llm.sampling_defaults, "temperature": 0.0, "max_tokens": n})  # noqa: E731
     out = []
     for kind, prompt, n in SAMPLE_PROMPTS:
-        r = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)[0].outputs[0]
+        r = llm.generate([prompt], greedy(n), use_tqdm=False)[0].outputs[0]
         out.append(dict(kind=kind, prompt=prompt, max_tokens=n, text=r.text, finish_reason=r.finish_reason))
     for kind, user, n in CHAT_SAMPLES:
         ids = corpus.render_prompt(enc, user, thinking=False)
-        r = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=n),
-                         use_tqdm=False)[0].outputs[0]
+        r = llm.generate([{"prompt_token_ids": ids}], greedy(n), use_tqdm=False)[0].outputs[0]
         out.append(dict(kind=kind, prompt=user, max_tokens=n, text=r.text, finish_reason=r.finish_reason))
     return out
 
@@ -94,7 +109,7 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         "",
         "deepserve's embedded default model: a small DeepSeek-V4 that the project trains itself, so `LLM()`, "
         "`deepserve serve` and `examples/offline_inference.py` run on a fresh machine with nothing downloaded. "
-        "v2 was trained on one H200 in one ~9-minute command (`bench/train_gpu.sh`) on Python's standard library "
+        f"v2 was trained on one {gpu_short(metrics)} in one ~9-minute command (`bench/train_gpu.sh`) on Python's standard library "
         "and the permissively licensed Python sources installed on that machine; it writes Python in their style "
         "and answers chat requests (deepseek-recipe's V4.1 rendering) with a fenced Python function.",
         "",
@@ -176,8 +191,8 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         "## Training",
         "",
         "```",
-        f"bash bench/train_gpu.sh {train_gpu_options(metrics['command'])}   # what ran (one device call, kind "
-        "nvidia-h200)",
+        f"bash bench/train_gpu.sh {train_gpu_options(metrics['command'])}   # what ran (one device call, an "
+        f"{gpu_short(metrics)})",
         f"bash bench/train_gpu.sh --steps {tr['steps_done']}   # the same schedule again",
         "```",
         "",
@@ -271,6 +286,10 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         "makes it easy to draft).",
         "",
         "## Samples (greedy, through `LLM.generate`, fp32, CPU)",
+        "",
+        "With the model's sampling defaults from its `generation_config.json` (what a request that sets no penalty "
+        f"gets: {json.dumps(sample_defaults(model_dir))}), as the README's curl request (`\"temperature\": 0`) "
+        "does.",
         "",
     ]
     for s in shown:
