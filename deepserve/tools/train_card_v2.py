@@ -109,7 +109,8 @@ def card_text(model_dir: Path, metrics: dict, meta: dict, cpu_eval: dict, v1_eva
         "",
         "deepserve's embedded default model: a small DeepSeek-V4 that the project trains itself, so `LLM()`, "
         "`deepserve serve` and `examples/offline_inference.py` run on a fresh machine with nothing downloaded. "
-        f"v2 was trained on one {gpu_short(metrics)} in one ~9-minute command (`bench/train_gpu.sh`) on Python's standard library "
+        f"v2 was trained on one {gpu_short(metrics)} in one ~9-minute command (`bench/train_gpu.sh`) on Python's "
+        "standard library "
         "and the permissively licensed Python sources installed on that machine; it writes Python in their style "
         "and answers chat requests (deepseek-recipe's V4.1 rendering) with a fenced Python function.",
         "",
