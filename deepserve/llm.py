@@ -16,7 +16,7 @@ from typing import Any, Union
 from tqdm import tqdm
 
 from deepserve.build import build_engine, resolve_config
-from deepserve.core.generation_config import sampling_defaults
+from deepserve.core.generation_config import engine_defaults, sampling_defaults
 from deepserve.core.outputs import RequestOutput
 from deepserve.core.sampling_params import SamplingParams
 
@@ -49,7 +49,8 @@ class LLM:
         config = resolve_config(model, **options)
         #: the model's sampling defaults (`generation_config`): `SamplingParams` keyword arguments; read before
         #: the engine is built, so a malformed file fails fast
-        self.sampling_defaults = sampling_defaults(config.generation_config, config.model)
+        self.sampling_defaults = engine_defaults(sampling_defaults(config.generation_config, config.model),
+                                                 speculative=config.speculative_config is not None)
         self.parts = build_engine(config)
         parts = self.parts
         self.config, self.plugin_manager, self.backend = parts.config, parts.plugin_manager, parts.backend

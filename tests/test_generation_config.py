@@ -108,3 +108,26 @@ async def test_server_with_vllm_defaults_ignores_the_file(aiohttp_client, defaul
     response = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 9, 12], "ignore_eos": True})
     assert response.status == 200, await response.text()
     assert (await response.json())["usage"]["completion_tokens"] == 16  # OpenAI's default, not max_new_tokens
+
+
+def test_the_serve_flag_reaches_the_engine_options():
+    from deepserve.cli import build_parser, engine_options
+
+    assert engine_options(build_parser().parse_args(["serve"]))["generation_config"] == "auto"
+    assert engine_options(build_parser().parse_args(["serve", "--generation-config", "vllm"]))[
+        "generation_config"] == "vllm"
+
+
+def test_a_default_speculation_cannot_honour_is_left_out(caplog):
+    """The embedded model's repetition penalty under MTP speculation, which refuses logits processors: requests
+    that set nothing run without it (logged once at start-up); one that asks for it gets the engine's error."""
+    from deepserve import LLM
+
+    with caplog.at_level("WARNING", logger="deepserve.core.generation_config"):
+        llm = LLM(accelerator="cpu", load_plugins=True, max_model_len=512, max_num_seqs=2, block_size=128,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert "repetition_penalty" not in llm.sampling_defaults and "speculative decoding" in caplog.text
+    out = llm.generate(["def add(a, b):"], use_tqdm=False)[0].outputs[0]
+    assert out.token_ids
+    with pytest.raises(ValueError, match="speculative decoding"):
+        llm.generate(["x"], SamplingParams(repetition_penalty=1.1), use_tqdm=False)

@@ -8,7 +8,10 @@ the file (the library's own defaults: temperature 1, no penalties); a folder pat
 
 Fields read, as vLLM reads them: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and
 `max_new_tokens` (the default `max_tokens`). Others (`do_sample`, `bos_token_id`, ...) are not sampling defaults
-here; as in vLLM, `do_sample: false` does not make the defaults greedy (write `"temperature": 0`).
+here; as in vLLM, `do_sample: false` does not make the defaults greedy (write `"temperature": 0`). A default the
+engine cannot honour for every request (a repetition penalty under speculative decoding, which refuses logits
+processors) is left out with a warning at start-up (`engine_defaults`), so that requests setting nothing still run;
+a request that asks for it itself still gets the engine's error.
 """
 
 from __future__ import annotations
@@ -58,3 +61,19 @@ def sampling_defaults(source: str, model_dir: str | Path | None) -> dict[str, An
     if defaults:
         logger.info("sampling defaults from %s: %s (generation_config='vllm' ignores them)", path, defaults)
     return defaults
+
+
+#: defaults that are logits processors (`SamplingParams.uses_logits_processors`), which speculative decoding refuses
+PROCESSOR_FIELDS = ("repetition_penalty",)
+
+
+def engine_defaults(defaults: dict[str, Any], speculative: bool) -> dict[str, Any]:
+    """`defaults` less what an engine with (`speculative`) or without speculative decoding cannot apply to every
+    request, each left-out field logged as a warning."""
+    if not speculative:
+        return defaults
+    dropped = {name: defaults[name] for name in PROCESSOR_FIELDS if defaults.get(name, 1.0) != 1.0}
+    if dropped:
+        logger.warning("the model's generation_config.json sets %s, which speculative decoding does not support: "
+                       "not applied as a default (requests that ask for it get an error)", dropped)
+    return {name: value for name, value in defaults.items() if name not in dropped}
