@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The NVIDIA backend's checks and timings on one GPU machine, picked by name for one device call (device time is
 # scarce; each part writes into $OUT as it goes, so a call cut short still returns what it finished). Wheels the
-# machine lacks travel in .whl/ (deepseek-recipe for the tokenizer tests; sgl-deep-gemm 0.1.5 with apache-tvm-ffi
+# machine lacks travel in .whl/ (deepseek-recipe for the tokenizer tests, the server parts and every test that
+# builds the demo checkpoint, whose tokenizer holds the recipe's special tokens; sgl-deep-gemm 0.1.5 with apache-tvm-ffi
 # 0.1.11 for the DeepGEMM path: `pip download --no-deps sgl-deep-gemm==0.1.5` and the cp312 wheel).
 #
 #   bash bench/gpu_call.sh "kernels graphs trace" [bench/gpu.py options for the bench part...]
