@@ -40,11 +40,15 @@ from engine_host import child_result  # noqa: E402  (the child-process runner bo
 TOKEN = 100  # the id every stand-in logits row picks (a byte's: text every token) and every draft proposes
 
 
-def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0) -> float:
+def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0, device_ms: float = 0.0) -> float:
     """Median milliseconds of `EngineCore.step()` over `steps` decode steps of `batch` requests, each having
     generated `generated` tokens before. `k`: speculative steps of k drafts instead (every draft kept: the
-    drafter proposes the id the stand-in picks), verified by `VerifyGraphs` with its batched rollback."""
+    drafter proposes the id the stand-in picks), verified by `VerifyGraphs` with its batched rollback.
+    `device_ms`: an asynchronous device of that step time stood in for (`emulate_device`)."""
     import torch
+
+    if device_ms:
+        emulate_device(device_ms)
 
     from deepserve import LLM, SamplingParams
     from deepserve.model.cuda_graphs import DecodeGraphs
@@ -100,6 +104,31 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0
     # the steps after `generated` tokens (the first step or two hold the prompts), short of the last two
     decode = times[-(steps + 2) : -2]
     return 1e3 * statistics.median(decode)
+
+
+def emulate_device(ms: float) -> None:
+    """A device that takes `ms` for each step the runner launches, in launch order, while the host goes on: a step
+    starts when launched or when the device finishes the one before, whichever is later, and its samples reach the
+    host when it ends (the runner's deferred read-back, `runner._read_back_later`, waits until then). With the host's
+    work overlapping the device's, a step then takes max(host, ms); with it serialized, host + ms."""
+    from deepserve.model import runner
+
+    launch, busy_until = runner._read_back_later, [0.0]
+
+    def read_back_later(out, tokens, request_ids, clock):
+        done = max(time.perf_counter(), busy_until[0]) + ms / 1e3
+        busy_until[0] = done
+        finish = launch(out, tokens, request_ids, clock)
+
+        def read_back() -> None:
+            wait = done - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            finish()
+
+        return read_back
+
+    runner._read_back_later = read_back_later
 
 
 class Drafter:
@@ -166,6 +195,9 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a tree holding the old package (`git archive REV deepserve | tar -x -C DIR`), measured "
                          "alternately with this one in child processes")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="stand in an asynchronous device of this step time (e.g. the H100's 6.73 ms graph step at "
+                         "256): does the host's work overlap it?")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.baseline is not None:
@@ -179,7 +211,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = build_demo_checkpoint(Path(tmp) / "demo", seed=2, **depth(args.layers))
             for gen, b in itertools.product(map(int, args.generated.split(",")), map(int, args.batches.split(","))):
-                ms = min(measure(b, args.steps, gen, checkpoint, args.k) for _ in range(args.repeats))
+                ms = min(measure(b, args.steps, gen, checkpoint, args.k, args.device_ms) for _ in range(args.repeats))
                 res["ms_per_step"][f"{b}+{gen}"] = {"batch": b, "generated": gen, "k": args.k, "ms": ms}
                 print(f"batch {b:4d}, {gen:5d} generated, k {args.k}: {ms:.3f} ms a step ({1e3 * ms / b:.1f} us a "
                       f"request)", flush=True)
