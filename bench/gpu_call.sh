@@ -15,7 +15,8 @@
 # cpu_suite.log; it must finish before the call ends); bench: the whole
 # bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench". train_profile:
-# bench/investigations/train_profile.py; picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
+# bench/investigations/train_profile.py; sync_points: bench/investigations/sync_points.py (where LLM.generate's
+# decode steps wait for the GPU, at 256 sequences); picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
 # e2e_offline, e2e_server, e2e_speculative, e2e_invariance: that part of bench/e2e.py (one a call: each takes up to
 # ~9 minutes; e2e_startup first on a fresh machine, for the cold start; the checkpoint is written once into
 # /tmp/deepserve_e2e_ckpt, where a later call on the same machine finds it; $E2E_SPEC_ARGS: options for
@@ -46,6 +47,7 @@ for part in $PARTS; do
         determinism) timeout 200 python3 bench/investigations/determinism.py --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -40 ;;
         stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
         stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
+        sync_points) timeout ${SYNC_TIMEOUT:-300} python3 bench/investigations/sync_points.py --out "$OUT" 2>&1 | tee "$OUT/sync_points.log" | grep -v "^Loading\|^capturing\|^warming" | tail -50 ;;
         train_profile) timeout ${TRAIN_PROFILE_TIMEOUT:-120} python3 bench/investigations/train_profile.py --out "$OUT" 2>&1 | grep -v "^  " | tail -45 ;;
         e2e_*) timeout ${E2E_TIMEOUT:-560} python3 bench/e2e.py --part "${part#e2e_}" --out "$OUT" \
             --checkpoint /tmp/deepserve_e2e_ckpt --spec-args "${E2E_SPEC_ARGS:-}" 2>&1 | tee "$OUT/$part.log" | grep -v "^Loading" | tail -40 ;;
