@@ -29,7 +29,6 @@ FILE_NAME = "generation_config.json"
 #: generation_config.json's field -> SamplingParams' field
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-SOURCES = ("auto", "vllm")
 
 
 def sampling_defaults(source: str, model_dir: str | Path | None) -> dict[str, Any]:

@@ -71,17 +71,15 @@ def parse_completion(body: dict[str, Any], model: ModelInfo) \
                        param="logprobs")
     echo = bool(body.get("echo"))
     prompts = _prompts(body.get("prompt"), model)
-    defaults = model.sampling_defaults  # the model's generation_config.json, under what the request sets
-    # 0 only with echo (validation.py): the prompt alone, nothing sampled
-    max_tokens = body.get("max_tokens", defaults.get("max_tokens", 16))
+    # 0 only with echo (validation.py): the prompt alone, nothing sampled; unset: the model's default, else OpenAI's
+    max_tokens = body.get("max_tokens", 16 if model.default_max_tokens is None else model.default_max_tokens)
     longest = max(len(ids) for _, ids in prompts)
     if type(max_tokens) is int and longest + max_tokens > model.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                        f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
                        "completion).", param="max_tokens", code="context_length_exceeded")
-    fields = {name: value for name, value in defaults.items() if name != "max_tokens"} \
-        | {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None} | penalty_fields(body) \
-        | cache_fields(body)
+    fields = model.default_fields | {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None} \
+        | penalty_fields(body) | cache_fields(body)
     constraint = single([response_format_constraint(body.get("response_format")), *body_constraints(body)])
     spec = to_spec(constraint) if constraint is not None else None
     try:

@@ -167,9 +167,10 @@ class RecipeCodec:
         ids = _recipe(lambda: self.encoding.encode(conv.conversation), protocol, body)
         model.check_prompt(ids)
         max_tokens = self._max_tokens(conv, protocol, body, len(ids), model.max_model_len,
-                                      model.sampling_defaults.get("max_tokens", self.default_max_tokens))
+                                      self.default_max_tokens if model.default_max_tokens is None
+                                      else model.default_max_tokens)
         params = model.fit_params(_sampling_params(conv.inference_options, max_tokens, body, spec,
-                                                   model.sampling_defaults))
+                                                   model.default_fields))
         request_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
 
         def fork() -> tuple[dr.StreamProcessor, OutputUsage]:
@@ -248,7 +249,7 @@ def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[s
     Messages (validated with the other routes' fields: `deepserve.server.validation`), and the penalties,
     `logit_bias` and `bad_words` (`PENALTY_FIELDS`; Messages has none), and `cache_ttl` (`CACHE_FIELDS`, on every
     protocol). `defaults`: the model's sampling defaults (generation_config.json) for the fields the request
-    leaves out. `detokenize=False`: the stream processor
+    leaves out (but `max_tokens`). `detokenize=False`: the stream processor
     decodes the token ids itself, so the engine does not decode them a second time."""
     logprobs = (options.top_logprobs or 0) if options.logprobs else None
     top_k, seed = body.get("top_k"), options.seed if options.seed is not None else body.get("seed")
@@ -256,8 +257,8 @@ def _sampling_params(options: dr.InferenceOptions, max_tokens: int, body: dict[s
     # only the body's own values win over the model's defaults
     given = {name: getattr(options, name) if body.get(name) is not None else None for name in ("temperature", "top_p")}
     given["top_k"] = top_k
-    fields = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"} \
-        | {name: value for name, value in given.items() if value is not None} | penalty_fields(body)
+    fields = (defaults or {}) | {name: value for name, value in given.items() if value is not None} \
+        | penalty_fields(body)
     try:
         return SamplingParams(seed=seed, max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=structured_outputs, detokenize=False, **fields, **cache_fields(body))

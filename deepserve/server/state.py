@@ -39,9 +39,10 @@ class ModelInfo:
     encoder: TextEncoder | None = None
     prompt_bound: PromptBound | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    #: the model's sampling defaults (`LLM.sampling_defaults`: its generation_config.json's, `SamplingParams`
-    #: keyword arguments) for the fields a request leaves out
-    sampling_defaults: dict = field(default_factory=dict)
+    #: the model's sampling defaults (`LLM.sampling_defaults`, its generation_config.json's) for the fields a request
+    #: leaves out, split once: `SamplingParams` keyword arguments but `max_tokens`, and the default `max_tokens`
+    default_fields: dict = field(default_factory=dict)
+    default_max_tokens: int | None = None
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, config: ServerConfig) -> ModelInfo:
@@ -50,9 +51,11 @@ class ModelInfo:
         cfg, tokenizer = llm.model.cfg, llm.tokenizer
         encoder = TextEncoder(tokenizer) if tokenizer is not None else None
         bound = PromptBound.from_tokenizer_json(tokenizer.to_str()) if tokenizer is not None else None
+        defaults = dict(getattr(llm, "sampling_defaults", {}))
+        max_tokens = defaults.pop("max_tokens", None)
         return cls(config.model_name, str(config.model), llm.max_model_len, cfg.vocab_size,
-                   tuple(cfg.eos_token_ids), tokenizer, encoder, bound,
-                   sampling_defaults=dict(getattr(llm, "sampling_defaults", {})))
+                   tuple(cfg.eos_token_ids), tokenizer, encoder, bound, default_fields=defaults,
+                   default_max_tokens=max_tokens)
 
     def check_prompt_text(self, text: str, param: str | None = None) -> None:
         """400 `context_length_exceeded` for a text that cannot fit the context whatever its tokens, found from
