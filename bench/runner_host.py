@@ -22,6 +22,7 @@ batched rollback: the host's share of a speculative step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -46,9 +47,6 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0
     drafter proposes the id the stand-in picks), verified by `VerifyGraphs` with its batched rollback.
     `device_ms`: an asynchronous device of that step time stood in for (`emulate_device`)."""
     import torch
-
-    if device_ms:
-        emulate_device(device_ms)
 
     from deepserve import LLM, SamplingParams
     from deepserve.model.cuda_graphs import DecodeGraphs
@@ -98,7 +96,8 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0
         return out
 
     llm.engine.step = timed
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=total, ignore_eos=True), use_tqdm=False)
+    with emulate_device(device_ms) if device_ms else contextlib.nullcontext():
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=total, ignore_eos=True), use_tqdm=False)
     if k and graphs.steps < steps:
         raise RuntimeError(f"only {graphs.steps} verify steps went through the verify graphs")
     # the steps after `generated` tokens (the first step or two hold the prompts), short of the last two
@@ -106,11 +105,13 @@ def measure(batch: int, steps: int, generated: int, checkpoint: Path, k: int = 0
     return 1e3 * statistics.median(decode)
 
 
-def emulate_device(ms: float) -> None:
+@contextlib.contextmanager
+def emulate_device(ms: float):
     """A device that takes `ms` for each step the runner launches, in launch order, while the host goes on: a step
     starts when launched or when the device finishes the one before, whichever is later, and its samples reach the
     host when it ends (the runner's deferred read-back, `runner._read_back_later`, waits until then). With the host's
-    work overlapping the device's, a step then takes max(host, ms); with it serialized, host + ms."""
+    work overlapping the device's, a step then takes max(host, ms); with it serialized, host + ms. The runner's own
+    read-back comes back when the block ends (a later `measure` in the process wraps the original, not this)."""
     from deepserve.model import runner
 
     launch, busy_until = runner._read_back_later, [0.0]
@@ -129,6 +130,10 @@ def emulate_device(ms: float) -> None:
         return read_back
 
     runner._read_back_later = read_back_later
+    try:
+        yield
+    finally:
+        runner._read_back_later = launch
 
 
 class Drafter:

@@ -7,10 +7,10 @@ work overlaps the device's: `bench/runner_host.py --device-ms`).
 
 Builds `LLM` over bench/e2e.py's checkpoint (V4-Flash layer shapes, 6 layers, written once into
 /tmp/deepserve_e2e_ckpt), warms the shape with one generate, then runs a timed one of `--tokens` tokens with
-`torch.cuda.set_sync_debug_mode("warn")`: torch then warns at every call that synchronizes the host with the
-device (a pageable copy, `.item()`, `.tolist()` of a device tensor, an event's or stream's synchronize is not
-among them: those are deepserve's own, listed apart). Each warning's Python stack is kept; the sites in deepserve
-are counted per decode step and printed, the top ones with their callers, into `sync_points.json`. Needs CUDA.
+`torch.cuda.set_sync_debug_mode("warn")`: torch then warns at the calls that synchronize the host with the device
+(a pageable copy, `.item()`, `.tolist()` of a device tensor; an explicit event's or stream's synchronize, such as
+the runner's deferred read-back, is not flagged). Each warning's Python stack is kept; the sites in deepserve are
+counted per decode step and printed, the top ones with their callers, into `sync_points.json`. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -90,20 +90,15 @@ def main() -> None:
     batch = [{"prompt_token_ids": p} for p in prompts(args.batch, plan, vocab_of(ckpt), seed=1)]
 
     recorder = SyncRecorder()
-    shown = warnings.showwarning
-    warnings.showwarning = recorder.showwarning
     began = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = recorder.showwarning  # (catch_warnings restores the hook it found)
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                llm.generate(batch, params, use_tqdm=False)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # (restores the filters and the hook it found)
+        warnings.simplefilter("always")
+        warnings.showwarning = recorder.showwarning
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(batch, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     seconds = time.perf_counter() - began
     res = {"batch": args.batch, "tokens": args.tokens, "seconds": seconds, "device": torch.cuda.get_device_name(),
            **recorder.report(steps=args.tokens)}
