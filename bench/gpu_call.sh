@@ -16,12 +16,14 @@
 # bench/gpu.py (gpu_bench.log/.json/.png) with the options given after the parts, e.g. --reuse-hf
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench". train_profile:
 # bench/investigations/train_profile.py; sync_points: bench/investigations/sync_points.py (where LLM.generate's
-# decode steps wait for the GPU, at 256 sequences); picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
+# decode steps wait for the GPU, at 256 sequences); step_timeline: bench/investigations/step_timeline.py (LLM.generate's
+# steps at 256 sequences by kind: prefill, mixed, decode); picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
 # e2e_offline, e2e_server, e2e_speculative, e2e_invariance: that part of bench/e2e.py (one a call: each takes up to
 # ~9 minutes; e2e_startup first on a fresh machine, for the cold start; the checkpoint is written once into
 # /tmp/deepserve_e2e_ckpt, where a later call on the same machine finds it; $E2E_SPEC_ARGS: options for
 # bench/spec_graphs.py in e2e_speculative, e.g. "--dtype float32"). flash_mla: tests/gpu/test_flash_mla_gpu.py and
-# bench/flash_mla.py (carry .whl/flash_mla-*.whl, built by scripts/build_vendor_kernels.sh).
+# bench/flash_mla.py (carry .whl/flash_mla-*.whl, built by scripts/build_vendor_kernels.sh); flash_mla_bench: the
+# benchmark alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/device_env.sh
@@ -48,11 +50,13 @@ for part in $PARTS; do
         stale) timeout ${STALE_TIMEOUT:-120} python3 bench/investigations/stale_reads.py --out "$OUT" > "$OUT/stale_reads.log" 2>&1; tail -30 "$OUT/stale_reads.log" ;;
         stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
         sync_points) timeout ${SYNC_TIMEOUT:-300} python3 bench/investigations/sync_points.py --out "$OUT" 2>&1 | tee "$OUT/sync_points.log" | grep -v "^Loading\|^capturing\|^warming" | tail -50 ;;
+        step_timeline) timeout ${TIMELINE_TIMEOUT:-240} python3 bench/investigations/step_timeline.py --out "$OUT" 2>&1 | tee "$OUT/step_timeline.log" | grep -v "^Loading\|^capturing\|^warming" | tail -30 ;;
         train_profile) timeout ${TRAIN_PROFILE_TIMEOUT:-120} python3 bench/investigations/train_profile.py --out "$OUT" 2>&1 | grep -v "^  " | tail -45 ;;
         e2e_*) timeout ${E2E_TIMEOUT:-560} python3 bench/e2e.py --part "${part#e2e_}" --out "$OUT" \
             --checkpoint /tmp/deepserve_e2e_ckpt --spec-args "${E2E_SPEC_ARGS:-}" 2>&1 | tee "$OUT/$part.log" | grep -v "^Loading" | tail -40 ;;
         flash_mla) timeout ${FLASH_MLA_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_flash_mla_gpu.py 2>&1 | tee "$OUT/flash_mla_tests.log" | grep -v "^Loading" | tail -30
             timeout 120 python3 bench/flash_mla.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
+        flash_mla_bench) timeout 120 python3 bench/flash_mla.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
         picked) timeout ${PICKED_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu ${PICKED} 2>&1 | tee "$OUT/picked_tests.log" | tail -30 ;;
         # a background job of this shell (not a subshell's), so that the `wait` below keeps the call open for it
         cpu_bg) CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &

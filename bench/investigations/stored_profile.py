@@ -63,13 +63,18 @@ def main() -> None:
             states, cache = base.prefill_states(model, device, prompts, group=max(1, 16384 // args.context),
                                                 extra_tokens=40)
             toks = torch.randint(2, model.cfg.vocab_size, (12, b), generator=g).tolist()
-            base.decode_steps(model, device, states, toks[:2], args.context)  # warm-up (compiles)
-            prof = base.profile_step(model, device, states, toks[2], args.context + 2)
+            pos = args.context  # tokens the states hold: each step below starts where the last ended
+            base.decode_steps(model, device, states, toks[:2], pos)  # warm-up (compiles)
+            pos += 2
+            prof = base.profile_step(model, device, states, toks[2], pos)
             prof.pop("host", None)
-            eager = base.decode_steps(model, device, states, toks[3:6], args.context + 3)
+            pos += 2  # (profile_step runs a second step, for its host profile)
+            eager = base.decode_steps(model, device, states, toks[3:6], pos)
+            pos += 3
             graphs = DecodeGraphs(model, cache, max_batch=b, max_pages=-(-(args.context + 48) // base.PAGE_SIZE))
-            base.decode_steps(model, device, states, toks[6:8], args.context + 6, graphs)
-            replay = base.decode_steps(model, device, states, toks[8:], args.context + 8, graphs, pipelined=True)
+            base.decode_steps(model, device, states, toks[6:8], pos, graphs)
+            pos += 2
+            replay = base.decode_steps(model, device, states, toks[8:], pos, graphs, pipelined=True)
             row = result["rows"][f"{quantization} b{b}"] = {"eager_ms": 1e3 * eager, "graph_ms": 1e3 * replay, **prof}
             print(f"== {quantization} batch {b}: eager {row['eager_ms']:.2f} ms, graphs {row['graph_ms']:.2f} ms, "
                   f"GPU busy {1e3 * row['gpu_busy_seconds']:.2f} ms in {row['num_kernels']} kernels", flush=True)
