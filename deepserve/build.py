@@ -19,7 +19,7 @@ from typing import Any
 
 from deepserve.core.config import EngineConfig
 from deepserve.core.engine import EngineCore
-from deepserve.core.env import default_model_dir, env_value
+from deepserve.core.env import default_model_dir, env_value, gc_freeze_wanted
 from deepserve.core.grammar_compiler import GrammarCompiler
 from deepserve.core.interfaces import Backend
 from deepserve.core.kv.manager import KVCacheManager, pages_for_budget
@@ -179,7 +179,8 @@ def build_engine(config: EngineConfig, plugin_manager=None, *, rank=None, group=
                         seed=config.seed, grammars=_grammar_compiler(pm, config, model, tokenizer),
                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                         verify_planner=planner, **_kv_tiers(pm, config, model, cache),
-                        **_swa_slots(config, cache, runner, proposer, placement), **_swa_replay(config, cache, runner))
+                        **_swa_slots(config, cache, runner, proposer, placement), **_swa_replay(config, cache, runner),
+                        freeze_gc=gc_freeze_wanted())
     logger.info("deepserve: %s on %s (%s), max_model_len %d", config.model, backend.device, backend.name,
                 max_model_len)
     stores = StoreRegistry(collect_registrations(pm, "deepserve_register_cache_backends"))

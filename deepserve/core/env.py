@@ -65,6 +65,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "engine option `engine_process` / `--engine-process` is not given. docs/distributed.md.",
         ),
         EnvVar(
+            "DEEPSERVE_GC_FREEZE",
+            None,
+            "`0`: leave Python's garbage collector alone. By default an engine, once built, freezes the objects "
+            "alive then (`gc.freeze`, as vLLM does) so that a full collection during serving walks only what "
+            "requests allocate, and unfreezes them when it shuts down.",
+        ),
+        EnvVar(
             "DEEPSERVE_MODEL",
             "DEEPINFER_HF_MODEL_DIR",
             "Default model directory (Hugging Face layout: config.json, tokenizer.json, *.safetensors).",
@@ -127,3 +134,9 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
         return Path(named).expanduser()
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "deepserve"
+
+
+def gc_freeze_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """`DEEPSERVE_GC_FREEZE`: on unless set to `0` (or `false`, `no`, `off`)."""
+    value = env_value("DEEPSERVE_GC_FREEZE", environ)
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off")

@@ -25,6 +25,7 @@ import torch
 
 from deepserve.core.config import EngineConfig
 from deepserve.core.engine import EngineCore
+from deepserve.core.env import gc_freeze_wanted
 from deepserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def build_v41_engine(config: EngineConfig, backend, make_proposer: Callable, mak
                            make_detokenizer=detok, cost_model=cost_model, async_scheduling=config.async_scheduling,
                            seed=config.seed, grammars=make_grammars(model, tokenizer),
                            num_speculative_tokens=proposer.num_speculative_tokens if proposer else 0,
-                           verify_planner=planner, image_token_id=cfg.image_token_id,
+                           verify_planner=planner, image_token_id=cfg.image_token_id, freeze_gc=gc_freeze_wanted(),
                            **(make_tiers(model, states, runner) if make_tiers is not None else {}))
     logger.info("deepserve: %s (V4.1) on %s, max_model_len %d, %d pages of %d tokens", config.model,
                 backend.device, max_model_len, num_pages, block_size)

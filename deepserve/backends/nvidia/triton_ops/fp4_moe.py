@@ -4,8 +4,11 @@ with each weight tile read as packed nibbles and scales and turned into x's dtyp
 
 The dequantized tile is exact (an e2m1 value times a power of two is a bf16 value), so the products are those of
 the bf16 experts the loader would have made, a quarter of the bytes read: the decode step's MoE is bound by
-those bytes. A tile's bytes are loaded once per element pair (the byte for columns 2j and 2j + 1; the cache
-serves the second read), its scales once per 32 columns.
+those bytes. Each K step loads a tile's bytes once, contiguously, and its scales once per 32 columns; the low
+nibbles (even columns) and the high ones (odd columns) make two half-width tiles, multiplied by the activations'
+even and odd columns. (Loading a byte per element, indexed k // 2, and decoding with exp2 made the dequantization
+the step's bottleneck: 1.5 ms a layer for the gate/up of one token at V4-Flash shapes on an H100, where the
+bytes take microseconds: bench/investigations/stored_profile.py.)
 """
 
 from __future__ import annotations
@@ -22,22 +25,46 @@ _TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 
 @triton.jit
 def _e2m1(code):
-    """e2m1 codes (0-15, bit 3 the sign) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    """e2m1 codes (0-15, bit 3 the sign) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, built as the float's bits (exponent
+    126 + code's exponent field, its mantissa bit as the float's first; 0.5 for the one subnormal code), a few
+    integer operations where exp2 costs a special-function instruction per value."""
+    code = code.to(tl.int32)
     mag = code & 7
-    e = mag >> 1
-    half = (mag & 1).to(tl.float32) * 0.5
-    value = tl.where(e == 0, half, tl.exp2((e - 1).to(tl.float32)) * (1.0 + half))
-    return tl.where(code >= 8, -value, value)
+    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, n, k, n_ok, K, stride_wn, stride_sn, DTYPE: tl.constexpr):
-    """Rows n, columns k of a packed [N, K/2] weight with [N, K/32] e8m0 scales, as DTYPE [BLOCK_N, BLOCK_K]."""
-    ok = n_ok[:, None] & (k < K)[None, :]
-    packed = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k // 2)[None, :], mask=ok, other=0)
-    code = tl.where((k % 2 == 0)[None, :], packed & 15, packed >> 4)
-    exponent = tl.load(s_ptr + n.to(tl.int64)[:, None] * stride_sn + (k // 32)[None, :], mask=ok, other=127)
-    return (_e2m1(code) * tl.exp2(exponent.to(tl.float32) - 127.0)).to(DTYPE)
+def _ue8m0(byte):
+    """UE8M0 scale bytes as the fp32 powers of two they stand for: the byte is the float's exponent field."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_halves(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of rows n of a packed [N, K/2] weight with [N, K/32] e8m0 scales, as two DTYPE
+    [BLOCK_N, BLOCK_K/2] tiles: the even columns (low nibbles) and the odd ones (high nibbles). Each byte and each
+    scale is loaded once, contiguously; a scale is broadcast over its 16 bytes in registers."""
+    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    rows = n.to(tl.int64)[:, None]
+    packed = tl.load(w_ptr + rows * stride_wn + j[None, :], mask=n_ok[:, None] & (2 * j < K)[None, :], other=0)
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = _ue8m0(tl.load(s_ptr + rows * stride_sn + g[None, :], mask=n_ok[:, None] & (32 * g < K)[None, :],
+                           other=127))
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    packed = packed.to(tl.int32)
+    return (_e2m1(packed & 15) * scale).to(DTYPE), (_e2m1(packed >> 4) * scale).to(DTYPE)
+
+
+@triton.jit
+def _halves_of_rows(ptr, rows, stride, rows_ok, k0, K, BLOCK_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of activation rows `rows`, split as the weights are: even columns, odd columns."""
+    k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    base = ptr + rows.to(tl.int64)[:, None] * stride + k[None, :]
+    even = tl.load(base, mask=rows_ok[:, None] & (k < K)[None, :], other=0.0)
+    odd = tl.load(base + 1, mask=rows_ok[:, None] & (k + 1 < K)[None, :], other=0.0)
+    return even, odd
 
 
 @triton.jit
@@ -68,12 +95,13 @@ def _fp4_gate_up_swiglu_kernel(
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + token[:, None] * stride_xt + k[None, :], mask=ok[:, None] & (k[None, :] < D), other=0.0)
-        wg = _fp4_tile(w_e, s_e, n, k, n_ok, D, stride_wn, stride_sn, dtype)
-        wu = _fp4_tile(w_e, s_e, n + I, k, n_ok, D, stride_wn, stride_sn, dtype)
-        gate = tl.dot(a, tl.trans(wg), gate, input_precision=PRECISION)
-        up = tl.dot(a, tl.trans(wu), up, input_precision=PRECISION)
+        a_even, a_odd = _halves_of_rows(x_ptr, token, stride_xt, ok, k0, D, BLOCK_K)
+        g_even, g_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
+        gate = tl.dot(a_even, tl.trans(g_even), gate, input_precision=PRECISION)
+        gate = tl.dot(a_odd, tl.trans(g_odd), gate, input_precision=PRECISION)
+        u_even, u_odd = _fp4_halves(w_e, s_e, n + I, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
+        up = tl.dot(a_even, tl.trans(u_even), up, input_precision=PRECISION)
+        up = tl.dot(a_odd, tl.trans(u_odd), up, input_precision=PRECISION)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up
@@ -97,10 +125,10 @@ def _fp4_down_kernel(
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + slots[:, None] * stride_hm + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
-        w = _fp4_tile(w_e, s_e, n, k, n_ok, I, stride_wn, stride_sn, dtype)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        a_even, a_odd = _halves_of_rows(h_ptr, slots, stride_hm, ok, k0, I, BLOCK_K)
+        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
+        acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=PRECISION)
+        acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
     scale = tl.load(pair_weight_ptr + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
     tl.store(y_ptr + tl.where(ok, pair, 0)[:, None] * stride_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),

@@ -21,17 +21,11 @@ import triton.language as tl
 
 from .attention import LOG2E, _merge_kernel, finish_part, launch_buffers, online_block, start_part, tile_choice
 from .common import dot_precision
-from .fp4_moe import _e2m1
+from .fp4_moe import _e2m1, _ue8m0
 from .indexer import _top_columns
 
 FP8_BLOCK = 64  # non-RoPE dims per scale byte of a KV row
 FP4_BLOCK = 32  # indexer-key values per scale byte
-
-
-@triton.jit
-def _ue8m0(byte):
-    """UE8M0 scale bytes as the fp32 powers of two they stand for: the byte is the float's exponent field."""
-    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
