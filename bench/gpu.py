@@ -143,10 +143,11 @@ def randomize_on_device(model, seed: int) -> None:
 
 
 def build(cfg_dict: dict, backend, dtype, seed=0):
-    from deepserve.model.factory import build_model
+    from deepserve.model.factory import build_model, materialize
 
     cfg = ModelConfig.from_dict(cfg_dict)
-    model = build_model(cfg, backend, dtype)
+    # (parameters made in `dtype` on the device, not first in the constructors' fp32: a 23B model fits an H100)
+    model = materialize(build_model(cfg, backend, dtype, params_on_meta=True), backend.device)
     randomize_on_device(model, seed)
     model.share_projection_inputs()  # as load_model does
     return model

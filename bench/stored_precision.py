@@ -326,15 +326,20 @@ def main() -> None:
 
     prompt = torch.randint(2, cfg["vocab_size"], (256 if not quick else 40,),
                            generator=torch.Generator().manual_seed(5)).tolist()
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = args.out / ("stored_precision_quick.json" if quick else "stored_precision.json")
+
+    def save() -> None:  # after each model too: a run cut short keeps the stored model's rows
+        record.write_text(json.dumps(res, indent=2, default=str) + "\n")
+
     res["stored"] = bench_model(path, "auto", backend, device, args, prompt, res["floors"])
+    save()
     res["bf16"] = bench_model(path, "none", backend, device, args, prompt, res["floors"])
     res["compare"] = compare(res["stored"], res["bf16"], prompt)
     res["fits_stored"], res["fits_bf16"] = fits(res["stored"]), fits(res["bf16"])
     res["fits_stored_fp8_kv"] = fits(res["stored"], "max_tokens_fp8_kv")
     res["fits_bf16_fp8_kv"] = fits(res["bf16"], "max_tokens_fp8_kv")
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "stored_precision_quick.json" if quick else "stored_precision.json"
-    (args.out / name).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    save()
     print(report(res))
 
 

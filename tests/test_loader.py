@@ -387,3 +387,27 @@ def test_shape_mismatch_names_both_shapes(ckpt):
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*\(65,\).*\(64,\)"):
         load_weights(fresh, state)
     assert torch.equal(logits(fresh), before)  # nothing was copied
+
+
+def test_parameters_on_meta_take_the_checkpoints_tensors_in_place(ckpt):
+    """`load_model` builds the parameters as meta shapes and puts the checkpoint's tensors in their place (no
+    device copy of the model beside the checkpoint's); buffers are made as a device build makes them."""
+    from deepserve.backends.reference import ReferenceBackend
+    from deepserve.model.factory import build_model, materialize
+    from deepserve.model.loader import read_config
+
+    cfg, backend = read_config(ckpt["official"]), ReferenceBackend("cpu")
+    model = build_model(cfg, backend, torch.float32, params_on_meta=True)
+    plain = build_model(cfg, backend, torch.float32)
+    assert all(p.is_meta for p in model.parameters())
+    assert [(n, b.dtype, b.shape) for n, b in model.named_buffers()] == \
+        [(n, b.dtype, b.shape) for n, b in plain.named_buffers()]
+    for (name, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
+        assert not b.is_meta and torch.equal(b, c), name
+    assert [(n, p.dtype) for n, p in model.named_parameters()] == [(n, p.dtype) for n, p in plain.named_parameters()]
+    state = read_checkpoint(ckpt["official"], progress=False)
+    load_weights(model, state)
+    for name, p in model.named_parameters():
+        assert not p.is_meta and p.data_ptr() == state[name].data_ptr(), name
+    assert all(not p.is_meta for p in materialize(build_model(cfg, backend, torch.bfloat16, params_on_meta=True),
+                                                   "cpu").parameters())

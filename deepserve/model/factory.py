@@ -50,7 +50,7 @@ def load_model(
     if cfg.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
         logger.info("%s has no mtp.* tensors: loading without the MTP block", model_dir)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
-    model = build_model(cfg, backend, torch_dtype)
+    model = build_model(cfg, backend, torch_dtype, params_on_meta=True)
     if scheme is not None and prepare_stored(model, state, scheme):
         logger.info("%s: FP8/FP4 weights kept as stored (%.1f MiB of weights)", model_dir, weight_bytes(model) / 2**20)
     load_weights(model, state)
@@ -64,15 +64,46 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
-def build_model(cfg: ModelConfig, backend: Backend, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+def build_model(cfg: ModelConfig, backend: Backend, dtype: torch.dtype,
+                params_on_meta: bool = False) -> DeepseekV4ForCausalLM:
     """An uninitialised model of the class registered for the config's `model_type` (`registry.py`), on the
-    backend's device; fp32-kept parameters stay fp32 as in the reference."""
-    with torch.device(backend.device):
-        model = model_class(cfg.raw.get("model_type"))(cfg, backend)
+    backend's device; fp32-kept parameters stay fp32 as in the reference.
+
+    `params_on_meta`: every parameter is a shape on the meta device, swapped in as each module registers it (its
+    constructor's tensor is freed at once), and `loader.load_weights` puts the checkpoint's tensors in their
+    place; buffers (RoPE frequencies, routing tables) are made on the device as usual. Loading then holds the
+    checkpoint's tensors and nothing else: built on the device, a 23B model was an fp32 copy (92 GB) beside the
+    stored one (15 GB) before the stored weights replaced it, more than an H100 holds."""
+    hook = None
+    if params_on_meta:
+        def to_meta(module, name, param):
+            if param is None or param.is_meta:
+                return None
+            return torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                      requires_grad=False)
+
+        hook = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        with torch.device(backend.device):
+            model = model_class(cfg.raw.get("model_type"))(cfg, backend)
+    finally:
+        if hook is not None:
+            hook.remove()
     for name, p in model.named_parameters():
         if p.dtype == torch.float32 and not _keeps_fp32(name):
             p.data = p.data.to(dtype)
     return model.eval().requires_grad_(False)
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """Give each meta parameter (`build_model(..., params_on_meta=True)`) uninitialised storage on `device`, in its
+    dtype: a model to fill (`randomize`) without ever holding it in the constructors' fp32."""
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            owner_name, _, leaf = name.rpartition(".")
+            model.get_submodule(owner_name)._parameters[leaf] = torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+    return model
 
 
 def _keeps_fp32(name: str) -> bool:

@@ -306,4 +306,19 @@ def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, str
         logger.warning("ignoring %d checkpoint tensor(s) the model does not use: %s", len(unexpected), listed)
     with torch.no_grad():
         for name, target in targets.items():
-            target.copy_(state[name])
+            if target.is_meta:  # (factory.build_model's params_on_meta) the checkpoint's tensor takes its place
+                _put(module, name, target, state[name])
+            else:
+                target.copy_(state[name])
+
+
+def _put(module: torch.nn.Module, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    """`value` (cast to `target`'s dtype) as the parameter or buffer `name` of `module`, where `target` is a meta
+    tensor standing for it."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    value = value.to(target.dtype)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value

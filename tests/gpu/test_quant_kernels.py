@@ -100,7 +100,8 @@ def test_stored_engine_matches_the_dequantized_engine(tmp_path):
     logprobs within bf16 noise (0.1) while the tokens agree, and the first two tokens equal. The 64-token prompt
     (W8A8: activations rounded to e4m3 per 1x128 block, 2^-4 relative per element, as DeepSeek's reference rounds
     them) moves logprobs more on a random model (the first H200 run measured a max of 0.71): mean |d| < 0.15,
-    max < 1.0."""
+    max < 1.0. The first generated token is sampled from the prompt's forward, so its logprob counts with the
+    prompt's (the H100 measured 0.27 for it, 0.005 for the next, decoded, token)."""
     import tiny
     from deepserve import LLM, SamplingParams
     from deepserve.backends.reference import ReferenceBackend
@@ -117,16 +118,17 @@ def test_stored_engine_matches_the_dequantized_engine(tmp_path):
     p = prompts[0]
     a = [stored.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
     b = [plain.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
-    prompt_d = [abs(x - y) for x, y in zip(a, b)]
     s_out, p_out = stored.outputs[0], plain.outputs[0]
-    decode_d = []
+    agreeing = []
     for t, u, ls, lp in zip(s_out.token_ids, p_out.token_ids, s_out.logprobs, p_out.logprobs):
         if t != u:
             break
-        decode_d.append(abs(ls[t].logprob - lp[t].logprob))
+        agreeing.append(abs(ls[t].logprob - lp[t].logprob))
+    prompt_d = [abs(x - y) for x, y in zip(a, b)] + agreeing[:1]
+    decode_d = agreeing[1:]
+    assert s_out.token_ids[:2] == p_out.token_ids[:2]
     print(f"prompt |d| max {max(prompt_d):.3f} mean {sum(prompt_d) / len(prompt_d):.3f}; "
           f"decode |d| max {max(decode_d):.3f} over {len(decode_d)} agreeing tokens")
-    assert s_out.token_ids[:2] == p_out.token_ids[:2]
     assert max(decode_d) < 0.1
     assert sum(prompt_d) / len(prompt_d) < 0.15 and max(prompt_d) < 1.0
 
