@@ -22,7 +22,7 @@
 # ~9 minutes; e2e_startup first on a fresh machine, for the cold start; the checkpoint is written once into
 # /tmp/deepserve_e2e_ckpt, where a later call on the same machine finds it; $E2E_SPEC_ARGS: options for
 # bench/spec_graphs.py in e2e_speculative, e.g. "--dtype float32"). flash_mla: tests/gpu/test_flash_mla_gpu.py and
-# bench/flash_mla.py (carry .whl/flash_mla-*.whl, built by scripts/build_vendor_kernels.sh); flash_mla_bench: the
+# bench/flash_mla_decode.py (carry .whl/flash_mla-*.whl, built by scripts/build_vendor_kernels.sh); flash_mla_bench: the
 # benchmark alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,8 +55,8 @@ for part in $PARTS; do
         e2e_*) timeout ${E2E_TIMEOUT:-560} python3 bench/e2e.py --part "${part#e2e_}" --out "$OUT" \
             --checkpoint /tmp/deepserve_e2e_ckpt --spec-args "${E2E_SPEC_ARGS:-}" 2>&1 | tee "$OUT/$part.log" | grep -v "^Loading" | tail -40 ;;
         flash_mla) timeout ${FLASH_MLA_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_flash_mla_gpu.py 2>&1 | tee "$OUT/flash_mla_tests.log" | grep -v "^Loading" | tail -30
-            timeout 120 python3 bench/flash_mla.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
-        flash_mla_bench) timeout 120 python3 bench/flash_mla.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
+            timeout 120 python3 bench/flash_mla_decode.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
+        flash_mla_bench) timeout 120 python3 bench/flash_mla_decode.py --out "$OUT" 2>&1 | tee "$OUT/flash_mla.log" | tail -12 ;;
         picked) timeout ${PICKED_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu ${PICKED} 2>&1 | tee "$OUT/picked_tests.log" | tail -30 ;;
         # a background job of this shell (not a subshell's), so that the `wait` below keeps the call open for it
         cpu_bg) CUDA_VISIBLE_DEVICES= nice -n 19 bash bench/cpu_suite_on_host.sh --timeout 300 > "$OUT/cpu_bg.log" 2>&1 &

