@@ -69,7 +69,8 @@ ENV_VARS: dict[str, EnvVar] = {
             None,
             "`0`: leave Python's garbage collector alone. By default an engine, once built, freezes the objects "
             "alive then (`gc.freeze`, as vLLM does) so that a full collection during serving walks only what "
-            "requests allocate, and unfreezes them when it shuts down.",
+            "requests allocate, and unfreezes them when it shuts down (`gc.unfreeze`: everything frozen, a "
+            "caller's own `gc.freeze` included).",
         ),
         EnvVar(
             "DEEPSERVE_MODEL",
