@@ -14,7 +14,7 @@ from deepserve.core.interfaces import Backend
 
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .registry import model_class
-from .loader import load_weights, prepare_stored, read_checkpoint, read_config, stored_scheme
+from .loader import load_weights, prepare_stored, put_tensor, read_checkpoint, read_config, stored_scheme
 from .weight_names import keeps_fp32
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,7 @@ def materialize(model: torch.nn.Module, device: str | torch.device) -> torch.nn.
     dtype: a model to fill (`randomize`) without ever holding it in the constructors' fp32."""
     for name, p in list(model.named_parameters()):
         if p.is_meta:
-            owner_name, _, leaf = name.rpartition(".")
-            model.get_submodule(owner_name)._parameters[leaf] = torch.nn.Parameter(
-                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+            put_tensor(model, name, p, torch.empty(p.shape, dtype=p.dtype, device=device))
     return model
 
 

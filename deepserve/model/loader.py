@@ -307,12 +307,12 @@ def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, str
     with torch.no_grad():
         for name, target in targets.items():
             if target.is_meta:  # (factory.build_model's params_on_meta) the checkpoint's tensor takes its place
-                _put(module, name, target, state[name])
+                put_tensor(module, name, target, state[name])
             else:
                 target.copy_(state[name])
 
 
-def _put(module: torch.nn.Module, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+def put_tensor(module: torch.nn.Module, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
     """`value` (cast to `target`'s dtype) as the parameter or buffer `name` of `module`, where `target` is a meta
     tensor standing for it."""
     owner_name, _, leaf = name.rpartition(".")
