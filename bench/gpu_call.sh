@@ -17,7 +17,8 @@
 # bench/results/gpu_bench_h200_transformers.json. bench/gpu_all.sh is "all_tests bench". train_profile:
 # bench/investigations/train_profile.py; sync_points: bench/investigations/sync_points.py (where LLM.generate's
 # decode steps wait for the GPU, at 256 sequences); step_timeline: bench/investigations/step_timeline.py (LLM.generate's
-# steps at 256 sequences by kind: prefill, mixed, decode); picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
+# steps at 256 sequences by kind: prefill, mixed, decode); fp4_moe_paths: bench/investigations/fp4_moe_paths.py (the
+# FP4 experts' per-pair GEMVs against the grouped kernels at a decode step's few tokens); picked: the GPU tests named in $PICKED (files or node ids). e2e_startup,
 # e2e_offline, e2e_server, e2e_speculative, e2e_invariance: that part of bench/e2e.py (one a call: each takes up to
 # ~9 minutes; e2e_startup first on a fresh machine, for the cold start; the checkpoint is written once into
 # /tmp/deepserve_e2e_ckpt, where a later call on the same machine finds it; $E2E_SPEC_ARGS: options for
@@ -51,6 +52,7 @@ for part in $PARTS; do
         stored_profile) timeout ${PROFILE_TIMEOUT:-90} python3 bench/investigations/stored_profile.py --out "$OUT" 2>&1 | tee "$OUT/stored_profile.log" | grep -v "^Loading\|^capturing" | tail -40 ;;
         sync_points) timeout ${SYNC_TIMEOUT:-300} python3 bench/investigations/sync_points.py --out "$OUT" 2>&1 | tee "$OUT/sync_points.log" | grep -v "^Loading\|^capturing\|^warming" | tail -50 ;;
         step_timeline) timeout ${TIMELINE_TIMEOUT:-240} python3 bench/investigations/step_timeline.py --out "$OUT" 2>&1 | tee "$OUT/step_timeline.log" | grep -v "^Loading\|^capturing\|^warming" | tail -30 ;;
+        fp4_moe_paths) timeout 120 python3 bench/investigations/fp4_moe_paths.py --out "$OUT" 2>&1 | tee "$OUT/fp4_moe_paths.log" | tail -12 ;;
         train_profile) timeout ${TRAIN_PROFILE_TIMEOUT:-120} python3 bench/investigations/train_profile.py --out "$OUT" 2>&1 | grep -v "^  " | tail -45 ;;
         e2e_*) timeout ${E2E_TIMEOUT:-560} python3 bench/e2e.py --part "${part#e2e_}" --out "$OUT" \
             --checkpoint /tmp/deepserve_e2e_ckpt --spec-args "${E2E_SPEC_ARGS:-}" 2>&1 | tee "$OUT/$part.log" | grep -v "^Loading" | tail -40 ;;

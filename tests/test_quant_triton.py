@@ -92,9 +92,10 @@ def check_act_quant(k, device, M, K, group, seed=0, exact_rounding=False) -> Non
     assert torch.equal(q.float(), q_ref.float())
 
 
-def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0) -> None:
+def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0, per_pair=None) -> None:
     """`fp4_moe_experts` against the reference backend's dequantizing `quantized_moe_experts` (fp32, on the CPU),
-    within the dtype's rounding; every (token, expert) row written."""
+    within the dtype's rounding; every (token, expert) row written. `per_pair`: the per-pair GEMV kernels (True),
+    the grouped ones (False), or the kernels' own choice by pairs (None)."""
     g = torch.Generator().manual_seed(seed)
     w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
                                                                          / D**0.5)), (1, 32))
@@ -105,7 +106,8 @@ def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0) -> 
     weights = torch.rand(T, top_k, generator=g).to(device)
     ref = ReferenceBackend(device, exact=False).quantized_moe_experts(x.float(), ids, weights, w13, w2, 7.0)
     pair_out = poisoned((T * top_k, D), dtype, device)
-    y = k.fp4_moe.fp4_moe_experts(x, ids, weights, w13.data, w13.scale, w2.data, w2.scale, 7.0, pair_out=pair_out)
+    y = k.fp4_moe.fp4_moe_experts(x, ids, weights, w13.data, w13.scale, w2.data, w2.scale, 7.0, pair_out=pair_out,
+                                  per_pair=per_pair)
     assert not torch.isnan(pair_out).any(), "a (token, expert) pair was not written"
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -122,8 +124,11 @@ CASES = {
     "fp8-prefill-grouped-32x32": (check_fp8_linear, dict(M=20, N=40, K=96, block=(32, 32), groups=2, act_fp8=True)),
     "act-quant-128": (check_act_quant, dict(M=33, K=300, group=128)),
     "act-quant-32": (check_act_quant, dict(M=5, K=64, group=32)),
-    "fp4-moe": (check_fp4_moe, dict(T=5, D=96, I=64, E=6, top_k=2)),
+    "fp4-moe": (check_fp4_moe, dict(T=5, D=96, I=64, E=6, top_k=2, per_pair=False)),
     "fp4-moe-ragged": (check_fp4_moe, dict(T=40, D=64, I=48, E=4, top_k=3)),
+    # the per-pair GEMVs: a decode step's few pairs (the default's choice), and ragged K and N past one tile
+    "fp4-moe-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3)),
+    "fp4-moe-pairs-ragged": (check_fp4_moe, dict(T=3, D=160, I=80, E=4, top_k=2, per_pair=True)),
 }
 
 

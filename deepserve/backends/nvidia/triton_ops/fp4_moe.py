@@ -135,6 +135,67 @@ def _fp4_down_kernel(
              mask=ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp4_pair_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, D, I, top_k, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (token, expert) pair's gate/up columns [n, n + BLOCK_N) and their clamped SwiGLU, as a GEMV: each K
+    step's weight tile decoded to fp32 and multiplied by the token's row on the CUDA cores, summed along K."""
+    pair = tl.program_id(0)
+    token = pair // top_k
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    token_ok = tl.full((1,), 1, tl.int1)
+    gate = tl.zeros((BLOCK_N,), tl.float32)
+    up = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        x_even, x_odd = _halves_of_rows(x_ptr, tl.full((1,), token, tl.int32), stride_xt, token_ok, k0, D, BLOCK_K)
+        x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+        g_even, g_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
+        gate += tl.sum(g_even * x_even + g_odd * x_odd, axis=1)
+        u_even, u_odd = _fp4_halves(w_e, s_e, n + I, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K,
+                                    tl.float32)
+        up += tl.sum(u_even * x_even + u_odd * x_odd, axis=1)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + pair * stride_hp + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _fp4_pair_down_kernel(
+    h_ptr, w_ptr, s_ptr, ids_ptr, pair_weight_ptr, y_ptr, D, I,
+    stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_yp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One pair's down-projection columns [n, n + BLOCK_N), times its routing weight, as a GEMV."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    row_ok = tl.full((1,), 1, tl.int1)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        h_even, h_odd = _halves_of_rows(h_ptr, tl.full((1,), pair, tl.int32), stride_hp, row_ok, k0, I, BLOCK_K)
+        h_even, h_odd = h_even.to(tl.float32), h_odd.to(tl.float32)
+        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
+        acc += tl.sum(w_even * h_even + w_odd * h_odd, axis=1)
+    acc = acc * tl.load(pair_weight_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + pair * stride_yp + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+#: (token, expert) pairs up to which each pair runs as its own GEMV (`_fp4_pair_*`: no sorting, no tensor-core
+#: tiles of 16 rows for one) instead of the grouped kernels, which read each chosen expert once however many pairs
+#: chose it. A decode step of one or two sequences at top-6.
+PAIR_GEMV_PAIRS = 16
+_PAIR_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
 def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.uint8 or scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         return scale.view(torch.uint8)
@@ -143,9 +204,12 @@ def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor:
 
 def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                     s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
-                    pair_out: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+                    pair_out: torch.Tensor | None = None, tiles: dict | None = None,
+                    per_pair: bool | None = None) -> torch.Tensor:
     """x [T, D], topk_ids/topk_weights [T, k]; packed w13 [E, 2I, D/2] with scales s13 [E, 2I, D/32], w2
-    [E, D, I/2] with s2 [E, D, I/32] -> [T, D] in x.dtype. `tiles`: BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    [E, D, I/2] with s2 [E, D, I/32] -> [T, D] in x.dtype. `tiles`: BLOCK_N, BLOCK_K, num_warps, num_stages.
+    `per_pair`: each (token, expert) pair as a GEMV (default: up to PAIR_GEMV_PAIRS pairs), else the grouped
+    kernels."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -157,6 +221,18 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         pair_out = torch.empty((pairs, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return pair_out.view(T, top_k, D).sum(1)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    if pairs <= PAIR_GEMV_PAIRS if per_pair is None else per_pair:
+        cfg = {**_PAIR_TILES, **(tiles or {})}
+        ids = topk_ids.reshape(-1).contiguous()
+        h = torch.empty((pairs, I), dtype=x.dtype, device=x.device)
+        _fp4_pair_gate_up_kernel[(pairs, triton.cdiv(I, cfg["BLOCK_N"]))](
+            x, w13, s13, ids, h, D, I, top_k, float(limit),
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), **cfg)
+        _fp4_pair_down_kernel[(pairs, triton.cdiv(D, cfg["BLOCK_N"]))](
+            h, w2, s2, ids, weights, pair_out, D, I,
+            h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0), **cfg)
+        return pair_out.view(T, top_k, D).sum(1)
     cfg = {**_TILES, **(tiles or {})}
     bm = cfg.pop("block_m", None) or _block_m(pairs)
     align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
@@ -167,7 +243,6 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         x, w13, s13, slot_pair, block_expert, h, D, I, top_k, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         BLOCK_M=bm, PRECISION=precision, **cfg)
-    weights = topk_weights.reshape(-1).float().contiguous()
     _fp4_down_kernel[(num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))](
         h, w2, s2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
