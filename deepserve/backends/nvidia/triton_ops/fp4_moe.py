@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import dot_precision
-from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m
+from .moe import _CONFIGS, SMALL_ALIGN_PAIRS, _align, _align_small, _block_m
 
-_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -76,6 +75,7 @@ def _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr):
     return expert, slots, pair, pair >= 0
 
 
+@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])  # (the bf16 kernels' tiles, picked by timing)
 @triton.jit
 def _fp4_gate_up_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, h_ptr,
@@ -108,6 +108,7 @@ def _fp4_gate_up_swiglu_kernel(
     tl.store(h_ptr + slots[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
+@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])
 @triton.jit
 def _fp4_down_kernel(
     h_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, pair_weight_ptr, y_ptr,
@@ -209,7 +210,8 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """x [T, D], topk_ids/topk_weights [T, k]; packed w13 [E, 2I, D/2] with scales s13 [E, 2I, D/32], w2
     [E, D, I/2] with s2 [E, D, I/32] -> [T, D] in x.dtype. `tiles`: BLOCK_N, BLOCK_K, num_warps, num_stages.
     `per_pair`: each (token, expert) pair as a GEMV (default: up to PAIR_GEMV_PAIRS pairs), else the grouped
-    kernels."""
+    kernels, whose tiles the autotuner picks per (D, I, block rows) at first use as for the bf16 experts (a long
+    prefill wants wider tiles than a decode step's few rows); `tiles` fixes them (and block_m)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -223,7 +225,7 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         return pair_out.view(T, top_k, D).sum(1)
     weights = topk_weights.reshape(-1).float().contiguous()
     if pairs <= PAIR_GEMV_PAIRS if per_pair is None else per_pair:
-        cfg = {**_PAIR_TILES, **(tiles or {})}
+        cfg = {**_PAIR_TILES, **{k: v for k, v in (tiles or {}).items() if k != "block_m"}}
         ids = topk_ids.reshape(-1).contiguous()
         h = torch.empty((pairs, I), dtype=x.dtype, device=x.device)
         _fp4_pair_gate_up_kernel[(pairs, triton.cdiv(I, cfg["BLOCK_N"]))](
@@ -233,18 +235,20 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             h, w2, s2, ids, weights, pair_out, D, I,
             h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0), **cfg)
         return pair_out.view(T, top_k, D).sum(1)
-    cfg = {**_TILES, **(tiles or {})}
-    bm = cfg.pop("block_m", None) or _block_m(pairs)
+    bm = tiles["block_m"] if tiles and "block_m" in tiles else _block_m(pairs)
+    fixed = {k: v for k, v in (tiles or {}).items() if k != "block_m"}  # (else the autotuner's pick)
+    gate_up, down = (_fp4_gate_up_swiglu_kernel.fn, _fp4_down_kernel.fn) if fixed else \
+        (_fp4_gate_up_swiglu_kernel, _fp4_down_kernel)
     align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
     slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
     h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
-    _fp4_gate_up_swiglu_kernel[(num_blocks, triton.cdiv(I, cfg["BLOCK_N"]))](
+    gate_up[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, s13, slot_pair, block_expert, h, D, I, top_k, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
-        BLOCK_M=bm, PRECISION=precision, **cfg)
-    _fp4_down_kernel[(num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))](
+        BLOCK_M=bm, PRECISION=precision, **fixed)
+    down[lambda meta: (num_blocks, triton.cdiv(D, meta["BLOCK_N"]))](
         h, w2, s2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, PRECISION=precision, **cfg)
+        BLOCK_M=bm, PRECISION=precision, **fixed)
     return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
