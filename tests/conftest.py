@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
+# The suite builds hundreds of engines in one process: each would collect and freeze the whole heap (pytest's
+# included) and unfreeze it at shutdown. tests/test_gc_freeze.py checks the freeze with the variable unset.
+os.environ.setdefault("DEEPSERVE_GC_FREEZE", "0")
 
 
 def pytest_collection_modifyitems(config, items):
