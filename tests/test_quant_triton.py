@@ -64,20 +64,28 @@ def stored_fp8(N: int, K: int, block, g, device, float_scales: bool = False):
 
 
 def check_fp8_linear(k, device, M, N, K, block=(128, 128), groups=1, act_fp8=False, dtype=torch.float32,
-                     float_scales=False, seed=0) -> None:
+                     float_scales=False, seed=0, counters=False) -> None:
     """`fp8_linear` against x @ dequantized(W).T: W8A16 (decode) within the output dtype's rounding; the FP8
-    prefill path on exactly quantizable x within it too (the same products, summed in another order)."""
+    prefill path on exactly quantizable x within it too (the same products, summed in another order).
+    `counters`: split-K parts added in the kernel (arrival counters, left zero), the same result as the two-launch
+    sum to fp32 rounding, twice in a row (the counters reset)."""
     g = torch.Generator().manual_seed(seed)
     q, s, deq = stored_fp8(groups * N, K, block, g, device, float_scales)
     shape = (M, groups, K) if groups > 1 else (M, K)
     group = min(128, block[1])
     x = (representable(shape, group, g, device) if act_fp8 else torch.randn(shape, generator=g).to(device)).to(dtype)
     out = poisoned((M, groups, N) if groups > 1 else (M, N), dtype, device)
-    y = k.fp8_linear.fp8_linear(x, q, s, tuple(block), groups=groups, act_fp8=act_fp8, out=out)
+    arrivals = torch.zeros(4096, dtype=torch.int32, device=device) if counters else None
+    y = k.fp8_linear.fp8_linear(x, q, s, tuple(block), groups=groups, act_fp8=act_fp8, out=out, counters=arrivals)
     assert y.data_ptr() == out.data_ptr()
     ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), deq.view(groups, N, K)).view(out.shape)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(y, ref) < tol, (M, N, K, block, groups, act_fp8)
+    if counters:
+        assert not arrivals.any(), "the arrival counters were not left zero"
+        again = k.fp8_linear.fp8_linear(x, q, s, tuple(block), groups=groups, act_fp8=act_fp8, counters=arrivals)
+        unsplit_sum = k.fp8_linear.fp8_linear(x, q, s, tuple(block), groups=groups, act_fp8=act_fp8)
+        assert torch.equal(again, y) and rel_err(unsplit_sum, y) < tol
 
 
 def check_act_quant(k, device, M, K, group, seed=0, exact_rounding=False) -> None:
@@ -120,6 +128,10 @@ CASES = {
     "fp8-decode-split-k": (check_fp8_linear, dict(M=3, N=96, K=256)),
     "fp8-decode-ragged-k-fp32-scales": (check_fp8_linear, dict(M=20, N=64, K=300, float_scales=True)),
     "fp8-decode-grouped-32x32": (check_fp8_linear, dict(M=5, N=40, K=96, block=(32, 32), groups=3)),
+    # the split-K parts added in the kernel by the last program to arrive (as the backend calls it)
+    "fp8-decode-split-k-counters": (check_fp8_linear, dict(M=3, N=96, K=512, counters=True)),
+    "fp8-decode-grouped-counters": (check_fp8_linear, dict(M=2, N=64, K=384, block=(32, 32), groups=3,
+                                                           counters=True)),
     "fp8-prefill": (check_fp8_linear, dict(M=40, N=64, K=300, act_fp8=True)),
     "fp8-prefill-grouped-32x32": (check_fp8_linear, dict(M=20, N=40, K=96, block=(32, 32), groups=2, act_fp8=True)),
     "act-quant-128": (check_act_quant, dict(M=33, K=300, group=128)),

@@ -35,15 +35,74 @@ NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "reshape", "detach", "em
              "permute", "unbind", "split", "narrow", "to", "lift_fresh", "_reshape_alias"}
 
 
-def count_step(checkpoint: Path, batch: int, new: bool) -> dict:
-    import torch
+def measure_static_step(llm, batch: int) -> dict:
+    """The torch ops and Triton launches of one decode step of `llm` (an NVIDIA-backend `LLM` built with
+    `enforce_eager`, on the CPU under the interpreter) through `DecodeGraphs`' static forward (`capture=False`): the
+    step a CUDA graph would replay, `batch` sequences of 40-token prompts, the last of three steps counted."""
+    import torch  # noqa: F401  (the dispatch mode below needs torch loaded)
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
 
-    from deepserve import LLM, SamplingParams
+    from deepserve import SamplingParams
+    from deepserve.model.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(llm.model, llm.cache, batch, 4, capture=False)
+    llm.runner.graphs = graphs
+    prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 200 + 30 for i in range(40)]} for j in range(batch)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    counts: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()  # Triton launches by kernel
+    launches = [0]
+    inside = [False]  # in a kernel: the interpreter's own tensor copies are not the step's ops
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                counts[str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches[0] += 1
+        kernels[getattr(self.fn, "__name__", "?")] += 1
+        inside[0] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    forward, steps = graphs.model, []
+
+    class Measured:  # the static forward, its ops and launches counted
+        backend, main_state_owner, state_owners = forward.backend, forward.main_state_owner, forward.state_owners
+
+        def __call__(self, *args, **kwargs):
+            counts.clear()
+            kernels.clear()
+            launches[0] = 0
+            InterpretedFunction.run = counted
+            try:
+                with Ops():
+                    out = forward(*args, **kwargs)
+            finally:
+                InterpretedFunction.run = run
+            steps.append({"torch_ops": sum(counts.values()), "triton_launches": launches[0], "ops": dict(counts),
+                          "kernels": dict(kernels),
+                          "kernel_ops": sum(n for op, n in counts.items() if op not in NO_KERNEL)})
+            return out
+
+    graphs.model = Measured()
+    llm.generate(prompts, params, use_tqdm=False)
+    if not steps:
+        raise RuntimeError("no decode step went through the static forward")
+    return {**steps[-1], "layers": llm.model.cfg.num_hidden_layers, "layer_types": list(llm.model.cfg.layer_types)}
+
+
+def count_step(checkpoint: Path, batch: int, new: bool) -> dict:
+    from deepserve import LLM
     from deepserve.backends.nvidia import NvidiaBackend
     from deepserve.backends.nvidia.packed_kv import PackedKVOps
-    from deepserve.model.cuda_graphs import DecodeGraphs
     from deepserve.model.layouts.paged import PagedLayer
     from deepserve.model.layouts.static import StaticLayer
 
@@ -59,54 +118,7 @@ def count_step(checkpoint: Path, batch: int, new: bool) -> dict:
     try:
         llm = LLM(model=str(checkpoint), accelerator="nvidia", device="cpu", dtype="bfloat16", kv_cache_dtype="fp8",
                   enforce_eager=True, block_size=128, max_num_seqs=batch)
-        graphs = DecodeGraphs(llm.model, llm.cache, batch, 4, capture=False)
-        llm.runner.graphs = graphs
-        prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 200 + 30 for i in range(40)]} for j in range(batch)]
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        counts: collections.Counter = collections.Counter()
-        launches = [0]
-
-        inside = [False]  # in a kernel: the interpreter's own tensor copies are not the step's ops
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if not inside[0]:
-                    counts[str(func.overloadpacket.__name__)] += 1
-                return func(*args, **(kwargs or {}))
-
-        run = InterpretedFunction.run
-
-        def counted(self, *args, **kwargs):
-            launches[0] += 1
-            inside[0] = True
-            try:
-                return run(self, *args, **kwargs)
-            finally:
-                inside[0] = False
-
-        forward, steps = graphs.model, []
-
-        class Measured:  # the static forward, its ops and launches counted
-            backend, main_state_owner, state_owners = forward.backend, forward.main_state_owner, forward.state_owners
-
-            def __call__(self, *args, **kwargs):
-                counts.clear()
-                launches[0] = 0
-                InterpretedFunction.run = counted
-                try:
-                    with Ops():
-                        out = forward(*args, **kwargs)
-                finally:
-                    InterpretedFunction.run = run
-                steps.append({"torch_ops": sum(counts.values()), "triton_launches": launches[0], "ops": dict(counts),
-                              "kernel_ops": sum(n for op, n in counts.items() if op not in NO_KERNEL)})
-                return out
-
-        graphs.model = Measured()
-        llm.generate(prompts, params, use_tqdm=False)
-        if not steps:
-            raise RuntimeError("no decode step went through the static forward")
-        return {**steps[-1], "layers": llm.model.cfg.num_hidden_layers, "layer_types": list(llm.model.cfg.layer_types)}
+        return measure_static_step(llm, batch)
     finally:
         PackedKVOps.write_packed = True
         NvidiaBackend.compress_decode = fused

@@ -238,14 +238,15 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
             out = self.deep_gemm_fp8(x, weight.data, weight.scale)
             if out is not None:
                 return out
-        return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, act_fp8=path == "fp8")
+        return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, act_fp8=path == "fp8",
+                                                  counters=self._arrivals)
 
     def quantized_grouped_linear(self, x, weight):
         path = None if weight.fp4 else self._stored_path(x)
         if path is None:
             return super().quantized_grouped_linear(x, weight)
         return self.kernels.fp8_linear.fp8_linear(x, weight.data, weight.scale, weight.block, groups=x.shape[1],
-                                                  act_fp8=path == "fp8")
+                                                  act_fp8=path == "fp8", counters=self._arrivals)
 
     def quantized_moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
         """FP4 experts through the W4A16 grouped kernels; FP8 experts dequantized for the bf16 kernels (and every

@@ -48,13 +48,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xg, stride_qm
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, chunk,
+def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr, M, N, K, chunk,
                        stride_xm, stride_xg, stride_xsm, stride_wn, stride_sn, stride_sk, stride_yp, stride_yg,
-                       stride_ym,
+                       stride_ym, stride_og, stride_om,
                        BR: tl.constexpr, BC: tl.constexpr, E8M0: tl.constexpr, ACT_FP8: tl.constexpr,
-                       SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                       SPLIT: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ACT_FP8: x is `act_quant`'s e4m3 [G * M, K] with scales xs [G * M, K / BLOCK_K]; else x's own dtype."""
+    """ACT_FP8: x is `act_quant`'s e4m3 [G * M, K] with scales xs [G * M, K / BLOCK_K]; else x's own dtype.
+    REDUCE (with SPLIT > 1): the fp32 parts in y are added here, by the last program of an output tile to arrive
+    (`count_ptr`: an arrival counter per tile, left zero), in split order, and stored once in out's dtype."""
     g = tl.program_id(2) // SPLIT
     part = tl.program_id(2) % SPLIT
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,8 +87,19 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, chunk,
         else:
             wd = (w.to(tl.float32) * sw[:, None]).to(x_ptr.dtype.element_ty)
             acc = tl.dot(a, tl.trans(wd), acc, input_precision=PRECISION)
-    out = y_ptr + part * stride_yp + g * stride_yg + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    parts = y_ptr + g * stride_yg + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+    tl.store(parts + part * stride_yp, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if REDUCE:
+        tl.debug_barrier()  # every thread's part is stored before the counter says so
+        tile = (g * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * stride_yp, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
+            out = out_ptr + g * stride_og + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +146,15 @@ def _tiles(M: int, block_k: int, act_fp8: bool) -> dict:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                groups: int = 1, act_fp8: bool | None = None, tiles: dict | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T` for FP8 W [groups * N, K] with scales [ceil(rows / block[0]), ceil(K / block[1])] (e8m0 bits or
     fp32 multipliers). x [M, K] (groups 1) or [M, G, K] -> [M, N] / [M, G, N] in x's dtype.
 
     `act_fp8`: the prefill path (activations quantized to FP8 per group of `min(128, block[1])`); default: for
     more than GEMV_ROWS rows. `tiles` fixes BLOCK_M/N/K, num_warps, num_stages (benchmarks). `out`: the
-    result's tensor (x's dtype, contiguous), else a new one."""
+    result's tensor (x's dtype, contiguous), else a new one. `counters`: zeroed int32 arrival counters on x's
+    device (as `gemv.grouped_gemv` takes them; a call leaves them zero), at least one per output tile: the split-K
+    parts are then added inside the kernel, else by two more launches (a sum and a cast)."""
     grouped = x.dim() == 3
     if grouped != (groups > 1) or (grouped and x.shape[1] != groups):
         raise ValueError(f"x {tuple(x.shape)} does not match {groups} weight groups")
@@ -163,10 +178,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     shape = (M, groups, N) if grouped else (M, N)
     if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}")
+    reduce = split > 1 and counters is not None and counters.numel() >= grid_n * grid_m * groups
+    result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if split == 1:
-        y = (out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)).view(1, M, groups, N)
+        y = result.view(1, M, groups, N)
     else:
         y = torch.empty((split, M, groups, N), dtype=torch.float32, device=x.device)
+    o = result.view(M, groups, N)
     if M:
         if act_fp8:
             a, a_scale = act_quant(x, bk)
@@ -175,12 +193,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
             a = x if x.stride(-1) == 1 else x.contiguous()
             a_scale, strides = a, (a.stride(0), a.stride(1) if grouped else 0, 0)
         _fp8_linear_kernel[(grid_n, grid_m, groups * split)](
-            a, a_scale, weight, s, y, M, N, K, chunk, *strides, weight.stride(0), s.stride(0), s.stride(1),
-            y.stride(0), y.stride(2), y.stride(1),
-            BR=block[0], BC=block[1], E8M0=e8m0, ACT_FP8=act_fp8, SPLIT=split, PRECISION=dot_precision(x.dtype),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
-    if split == 1:
-        return y.view(shape)
-    if out is None:
-        return y.sum(0).to(x.dtype).view(shape)
-    return out.copy_(y.sum(0).view(shape))
+            a, a_scale, weight, s, y, o, counters if reduce else o, M, N, K, chunk, *strides, weight.stride(0),
+            s.stride(0), s.stride(1), y.stride(0), y.stride(2), y.stride(1), o.stride(1), o.stride(0),
+            BR=block[0], BC=block[1], E8M0=e8m0, ACT_FP8=act_fp8, SPLIT=split, REDUCE=reduce,
+            PRECISION=dot_precision(x.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    if split == 1 or reduce or not M:
+        return result
+    return result.copy_(y.sum(0).view(shape))
