@@ -137,30 +137,40 @@ def _fp4_down_kernel(
 
 
 @triton.jit
+def _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, N, BLOCK_N: tl.constexpr):
+    """This program's (token, expert) pair, its BLOCK_N output columns (of N) and which exist, and its expert's
+    packed weight and scale pointers."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, n, n < N, w_ptr + expert * stride_we, s_ptr + expert * stride_se
+
+
+@triton.jit
+def _fp4_row_dot(row_ptr, w_e, s_e, n, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[n, k] * row[k] in fp32 for one activation row: each K step's weight tile decoded to fp32 (two
+    half-width tiles, even and odd columns) and multiplied on the CUDA cores, summed along K."""
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        even = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
+        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
+        acc += tl.sum(w_even * even[None, :] + w_odd * odd[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _fp4_pair_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, D, I, top_k, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (token, expert) pair's gate/up columns [n, n + BLOCK_N) and their clamped SwiGLU, as a GEMV: each K
-    step's weight tile decoded to fp32 and multiplied by the token's row on the CUDA cores, summed along K."""
-    pair = tl.program_id(0)
-    token = pair // top_k
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
-    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    token_ok = tl.full((1,), 1, tl.int1)
-    gate = tl.zeros((BLOCK_N,), tl.float32)
-    up = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        x_even, x_odd = _halves_of_rows(x_ptr, tl.full((1,), token, tl.int32), stride_xt, token_ok, k0, D, BLOCK_K)
-        x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-        g_even, g_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
-        gate += tl.sum(g_even * x_even + g_odd * x_odd, axis=1)
-        u_even, u_odd = _fp4_halves(w_e, s_e, n + I, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K,
-                                    tl.float32)
-        up += tl.sum(u_even * x_even + u_odd * x_odd, axis=1)
+    """One (token, expert) pair's gate/up columns [n, n + BLOCK_N) and their clamped SwiGLU, as two GEMVs."""
+    pair, n, n_ok, w_e, s_e = _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, I, BLOCK_N)
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    gate = _fp4_row_dot(x_row, w_e, s_e, n, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
+    up = _fp4_row_dot(x_row, w_e, s_e, n + I, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up
@@ -174,18 +184,9 @@ def _fp4_pair_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One pair's down-projection columns [n, n + BLOCK_N), times its routing weight, as a GEMV."""
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < D
-    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    row_ok = tl.full((1,), 1, tl.int1)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        h_even, h_odd = _halves_of_rows(h_ptr, tl.full((1,), pair, tl.int32), stride_hp, row_ok, k0, I, BLOCK_K)
-        h_even, h_odd = h_even.to(tl.float32), h_odd.to(tl.float32)
-        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
-        acc += tl.sum(w_even * h_even + w_odd * h_odd, axis=1)
+    pair, n, n_ok, w_e, s_e = _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, D, BLOCK_N)
+    acc = _fp4_row_dot(h_ptr + pair.to(tl.int64) * stride_hp, w_e, s_e, n, n_ok, I, stride_wn, stride_sn,
+                       BLOCK_N, BLOCK_K)
     acc = acc * tl.load(pair_weight_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * stride_yp + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
