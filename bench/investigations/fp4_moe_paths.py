@@ -21,18 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench" / "investigations"))
 
-
-def timed(fn, calls: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / calls  # microseconds
+from vendor_probe import events  # noqa: E402  (seconds a call, CUDA events around repeated calls)
 
 
 def main() -> None:
@@ -64,7 +55,7 @@ def main() -> None:
         diff = ((run(True).float() - run(False).float()).abs().max() / run(False).float().abs().max()).item()
         row = {"tokens": T, "pairs": T * k, "touched_bytes": touched}
         for name, per_pair in (("per_pair", True), ("grouped", False)):
-            us = timed(lambda: run(per_pair))
+            us = 1e6 * events(lambda: run(per_pair), repeats=50, warmup=5)
             row[name] = {"us": us, "GB_s": touched / us / 1e3}
         row["relative_difference"] = diff
         rows.append(row)

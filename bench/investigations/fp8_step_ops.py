@@ -39,7 +39,6 @@ def measure_static_step(llm, batch: int) -> dict:
     """The torch ops and Triton launches of one decode step of `llm` (an NVIDIA-backend `LLM` built with
     `enforce_eager`, on the CPU under the interpreter) through `DecodeGraphs`' static forward (`capture=False`): the
     step a CUDA graph would replay, `batch` sequences of 40-token prompts, the last of three steps counted."""
-    import torch  # noqa: F401  (the dispatch mode below needs torch loaded)
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
 

@@ -150,13 +150,12 @@ def _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, N, BLOCK_N: tl.co
 def _fp4_row_dot(row_ptr, w_e, s_e, n, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k W[n, k] * row[k] in fp32 for one activation row: each K step's weight tile decoded to fp32 (two
     half-width tiles, even and odd columns) and multiplied on the CUDA cores, summed along K."""
+    row, row_ok = tl.zeros((1,), tl.int32), tl.full((1,), 1, tl.int1)  # (one row: `_halves_of_rows`' [1, K/2])
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        even = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        odd = tl.load(row_ptr + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
+        even, odd = _halves_of_rows(row_ptr, row, 0, row_ok, k0, K, BLOCK_K)
         w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
-        acc += tl.sum(w_even * even[None, :] + w_odd * odd[None, :], axis=1)
+        acc += tl.sum(w_even * even.to(tl.float32) + w_odd * odd.to(tl.float32), axis=1)
     return acc
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import SMS, dot_precision
+from .gemv import add_parts_on_arrival
 
 FP8_MAX = 448.0
 #: rows up to which the decode path (W8A16, split K) is taken
@@ -56,7 +57,7 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr, M
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """ACT_FP8: x is `act_quant`'s e4m3 [G * M, K] with scales xs [G * M, K / BLOCK_K]; else x's own dtype.
     REDUCE (with SPLIT > 1): the fp32 parts in y are added here, by the last program of an output tile to arrive
-    (`count_ptr`: an arrival counter per tile, left zero), in split order, and stored once in out's dtype."""
+    (`gemv.add_parts_on_arrival`; `count_ptr`: an arrival counter per tile), and stored once in out's dtype."""
     g = tl.program_id(2) // SPLIT
     part = tl.program_id(2) % SPLIT
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,17 +90,13 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr, M
             acc = tl.dot(a, tl.trans(wd), acc, input_precision=PRECISION)
     ok = (m < M)[:, None] & (n < N)[None, :]
     parts = y_ptr + g * stride_yg + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
-    tl.store(parts + part * stride_yp, acc.to(y_ptr.dtype.element_ty), mask=ok)
     if REDUCE:
-        tl.debug_barrier()  # every thread's part is stored before the counter says so
         tile = (g * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(parts + s * stride_yp, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
-            out = out_ptr + g * stride_og + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+        add_parts_on_arrival(acc, parts, part, stride_yp, count_ptr + tile,
+                             out_ptr + g * stride_og + m.to(tl.int64)[:, None] * stride_om + n[None, :], ok, SPLIT,
+                             BLOCK_M, BLOCK_N)
+    else:
+        tl.store(parts + part * stride_yp, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,15 +64,24 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, norm_ptr, M, N, K, 
     else:
         G = tl.num_programs(1)
         parts = part_ptr + (g * M + m[:, None]) * N + n[None, :]  # part s of (g, m, n) at s * G * M * N
-        tl.store(parts + tl.program_id(2) * G * M * N, acc, mask=ok)
-        tl.debug_barrier()  # every thread's part is stored before the counter says so
-        counter = count_ptr + g * tl.num_programs(0) + block
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(parts + s * G * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0)  # ready for the next call
-            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=ok)
+        add_parts_on_arrival(acc, parts, tl.program_id(2), G * M * N, count_ptr + g * tl.num_programs(0) + block,
+                             out_at, ok, SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def add_parts_on_arrival(acc, parts, part, part_stride, counter, out_at, ok, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split K's epilogue: this program's fp32 part `acc` stored as part `part` (at `parts + part * part_stride`);
+    the last of the tile's SPLIT programs to arrive (`counter`, left zero for the next call) adds the parts in
+    split order and stores the sum at `out_at` in its dtype, so the result does not depend on arrival order."""
+    tl.store(parts + part * part_stride, acc, mask=ok)
+    tl.debug_barrier()  # every thread's part is stored before the counter says so
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for s in range(SPLIT):
+            total += tl.load(parts + s * part_stride, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0)  # ready for the next call
+        tl.store(out_at, total.to(out_at.dtype.element_ty), mask=ok)
 
 
 def _tiles(N: int, K: int, G: int, tiles: dict | None) -> dict:
