@@ -120,6 +120,21 @@ def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0, per
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def check_fp4_dequantize(k, device, dtype, rows=16, cols=256) -> None:
+    """`fp4_moe.dequantize` (the FP4 kernels' own decode, `_fp4_tile`) against `quant.dequantize_fp4`, bit for
+    bit: every one of the 16 codes (the subnormal 0.5 among them) at scales from 2^-30 to 2^4 (past 2^1, where
+    2^126 times the scale is no float: the decode multiplies by the two apart), two experts stacked."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (2, rows, cols), generator=g, dtype=torch.uint8)
+    codes[0, 0, :16] = torch.arange(16, dtype=torch.uint8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+    scale = torch.randint(97, 132, (2, rows, cols // 32), generator=g, dtype=torch.uint8)
+    ref = quant.dequantize_fp4(packed, scale).to(dtype)
+    out = k.fp4_moe.dequantize(packed.to(device), scale.to(device), dtype).cpu()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), ref.view(bits)), (out - ref).abs().max()
+
+
 # -- on the CPU, interpreted ---------------------------------------------------------------------------------------
 
 CASES = {
@@ -141,6 +156,13 @@ CASES = {
     # the per-pair GEMVs: a decode step's few pairs (the default's choice), and ragged K and N past one tile
     "fp4-moe-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3)),
     "fp4-moe-pairs-ragged": (check_fp4_moe, dict(T=3, D=160, I=80, E=4, top_k=2, per_pair=True)),
+    # the decode bit for bit, in fp32 (a code to a 32-bit operation) and bf16 (two codes a 32-bit operation, bf16
+    # multiplications); and both paths' products in bf16
+    "fp4-decode-fp32": (check_fp4_dequantize, dict(dtype=torch.float32)),
+    "fp4-decode-bf16": (check_fp4_dequantize, dict(dtype=torch.bfloat16)),
+    "fp4-moe-bf16-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3, dtype=torch.bfloat16)),
+    "fp4-moe-bf16-grouped": (check_fp4_moe, dict(T=5, D=96, I=64, E=6, top_k=2, per_pair=False,
+                                                 dtype=torch.bfloat16)),
 }
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepserve.model import quant
-from test_quant_triton import check_act_quant, check_fp4_moe, check_fp8_linear, rel_err, stored_fp8
+from test_quant_triton import (check_act_quant, check_fp4_dequantize, check_fp4_moe, check_fp8_linear, rel_err,
+                               stored_fp8)
 
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
@@ -146,3 +147,9 @@ def test_deep_gemm_fp8_where_it_loads():
     out = nv.deep_gemm_fp8(x, q, s)
     assert out is not None, "deep_gemm's FP8 GEMM failed its check against the Triton kernel (see the log)"
     assert rel_err(out, x.float() @ deq.t()) < FP8_ACT_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_decode_bitwise(kernels, dtype):
+    # the FP4 kernels' decode on the device: bf16 multiplies of a subnormal (code 1, 0.5) must not flush it
+    check_fp4_dequantize(kernels, "cuda", dtype)

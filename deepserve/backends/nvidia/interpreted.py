@@ -7,10 +7,10 @@ every kernel that loops from a program id (`range(pid * chunk, ...)`) then fails
 `libdevice` functions (the GPU's accurate `cos`, `sin`, `log1p`) are declarations only, which the interpreter
 cannot call; an autotuned kernel times its configurations through a GPU driver, which there is none of; and
 `tl.dot` of bf16 operands multiplies their raw 16-bit patterns (the interpreter keeps bf16 as uint16), which is
-garbage. `support_kernels` makes the conversion read the array's one element, the value it meant, points those
+garbage, as is a bf16 multiplication. `support_kernels` makes the conversion read the array's one element, the value it meant, points those
 functions at the interpreter's own math (numpy's, in fp32), has the autotuner take each kernel's first
-configuration (its timings all equal), and widens bf16 dot operands to fp32 first (their products are exact
-there, as on tensor cores); it changes nothing on a GPU, where the interpreter is not used.
+configuration (its timings all equal), widens bf16 dot operands to fp32 first (their products are exact
+there, as on tensor cores) and multiplies bf16 values in fp32, rounded once to bf16; it changes nothing on a GPU, where the interpreter is not used.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def support_kernels() -> None:
     builder = type(interpreter.interpreter_builder)
     if not getattr(builder.create_dot, "deepserve_bf16", False):
         builder.create_dot = _bf16_widening(builder.create_dot, interpreter, tl)
+        builder.create_fmul = _bf16_multiplication(builder.create_fmul, interpreter, tl)
     # looked up at each call: the interpreter swaps tl.math's functions in while a kernel runs
     libdevice.cos = lambda x: tl.math.cos(x)
     libdevice.sin = lambda x: tl.math.sin(x)
@@ -62,16 +63,43 @@ def _untimed(kernel_call, quantiles=None, **kwargs):
 
 def _bf16_widening(original, interpreter, tl):
     """The interpreter's `create_dot` with bf16 operands (uint16 bit patterns) widened to fp32 values first."""
-    import numpy as np
 
     def widen(handle):
         if handle.dtype.scalar != tl.bfloat16:
             return handle
-        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
+        return interpreter.TensorHandle(_bf16_values(handle.data), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     create_dot.deepserve_bf16 = True
     return create_dot
+
+
+def _bf16_multiplication(original, interpreter, tl):
+    """The interpreter's `create_fmul` for bf16 operands (uint16 bit patterns, which it would multiply as
+    integers): the product of their values in fp32 (exact), rounded once to bf16, as the GPU's bf16 multiply."""
+
+    def create_fmul(self, lhs, rhs):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return original(self, lhs, rhs)
+        return interpreter.TensorHandle(_bf16_bits(_bf16_values(lhs.data) * _bf16_values(rhs.data)), tl.bfloat16)
+
+    return create_fmul
+
+
+def _bf16_values(bits):
+    """bf16 bit patterns (uint16) as fp32 values: the bits are the float's upper half (subnormals too, which the
+    interpreter's own conversion flushes to zero)."""
+    import numpy as np
+
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def _bf16_bits(values):
+    """fp32 values rounded to bf16 bit patterns, to nearest, ties to even (NaN stays NaN)."""
+    import numpy as np
+
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)

@@ -1,14 +1,17 @@
 """Routed experts stored as FP4 (e2m1, one UE8M0 scale per 32 inputs: DeepSeek's and MXFP4's layout), dequantized
-inside the grouped GEMMs (W4A16): `moe.moe_experts`'s two kernels over the same expert-sorted (token, slot) pairs,
-with each weight tile read as packed nibbles and scales and turned into x's dtype in registers.
+inside the experts' GEMMs (W4A16): `moe.moe_experts`'s two kernels over expert-sorted (token, slot) blocks, or, at
+a decode step's few pairs, over one block per pair (no sorting), with each weight tile read as packed codes and
+scales and turned into x's dtype in registers (`_fp4_tile`).
 
 The dequantized tile is exact (an e2m1 value times a power of two is a bf16 value), so the products are those of
 the bf16 experts the loader would have made, a quarter of the bytes read: the decode step's MoE is bound by
-those bytes. Each K step loads a tile's bytes once, contiguously, and its scales once per 32 columns; the low
-nibbles (even columns) and the high ones (odd columns) make two half-width tiles, multiplied by the activations'
-even and odd columns. (Loading a byte per element, indexed k // 2, and decoding with exp2 made the dequantization
-the step's bottleneck: 1.5 ms a layer for the gate/up of one token at V4-Flash shapes on an H100, where the
-bytes take microseconds: bench/investigations/stored_profile.py.)
+those bytes if the decode keeps up with them. An H100 streams about 15 bytes a clock per multiprocessor; a
+multiprocessor's integer units do 64 operations a clock. Decoding a code at a time from its byte (a select per
+exponent case, then exp2 or bit building) took about 25 instructions a byte: instruction-bound at a sixth of the
+memory's rate (`bench/investigations/sass_mix.py`, which counts a kernel's SASS on the CPU; on an H100 the
+experts ran at about a tenth of their bytes, bench/investigations/stored_profile.py). The codes are now read as
+32-bit words of eight and set into floats by shifts and masks, two codes a 32-bit operation for bf16
+(`_codes_as_bf16_pairs`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from .moe import _CONFIGS, SMALL_ALIGN_PAIRS, _align, _align_small, _block_m
 def _e2m1(code):
     """e2m1 codes (0-15, bit 3 the sign) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, built as the float's bits (exponent
     126 + code's exponent field, its mantissa bit as the float's first; 0.5 for the one subnormal code), a few
-    integer operations where exp2 costs a special-function instruction per value."""
+    integer operations where exp2 costs a special-function instruction per value. A code at a time (the packed
+    KV cache's FP4 indexer keys); the experts decode words of eight (`_fp4_tile`)."""
     code = code.to(tl.int32)
     mag = code & 7
     bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
@@ -39,162 +43,228 @@ def _ue8m0(byte):
     return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _fp4_halves(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DTYPE: tl.constexpr):
-    """Columns [k0, k0 + BLOCK_K) of rows n of a packed [N, K/2] weight with [N, K/32] e8m0 scales, as two DTYPE
-    [BLOCK_N, BLOCK_K/2] tiles: the even columns (low nibbles) and the odd ones (high nibbles). Each byte and each
-    scale is loaded once, contiguously; a scale is broadcast over its 16 bytes in registers."""
-    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    rows = n.to(tl.int64)[:, None]
-    packed = tl.load(w_ptr + rows * stride_wn + j[None, :], mask=n_ok[:, None] & (2 * j < K)[None, :], other=0)
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = _ue8m0(tl.load(s_ptr + rows * stride_sn + g[None, :], mask=n_ok[:, None] & (32 * g < K)[None, :],
-                           other=127))
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-    packed = packed.to(tl.int32)
-    return (_e2m1(packed & 15) * scale).to(DTYPE), (_e2m1(packed >> 4) * scale).to(DTYPE)
+#: 2^126: a code's bits set in a float's exponent and mantissa (`_codes_as_bf16_pairs`, `_code_as_fp32`) read its
+#: value times 2^-126
+_TWO_126 = 8.507059173023462e37
 
 
 @triton.jit
-def _halves_of_rows(ptr, rows, stride, rows_ok, k0, K, BLOCK_K: tl.constexpr):
-    """Columns [k0, k0 + BLOCK_K) of activation rows `rows`, split as the weights are: even columns, odd columns."""
-    k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    base = ptr + rows.to(tl.int64)[:, None] * stride + k[None, :]
-    even = tl.load(base, mask=rows_ok[:, None] & (k < K)[None, :], other=0.0)
-    odd = tl.load(base + 1, mask=rows_ok[:, None] & (k + 1 < K)[None, :], other=0.0)
-    return even, odd
+def _codes_as_bf16_pairs(words, j: tl.constexpr):
+    """Codes j and j + 4 of each uint32 word (eight codes, the first in the low nibble) as two bf16 bit patterns in
+    one word, code j in the low half: a code's magnitude bits (two exponent bits, one mantissa bit) land on the
+    bf16's two lowest exponent bits and its first mantissa bit, its sign on the sign bit, so each half reads the
+    code's value times 2^-126 (code 1, 0.5, as a subnormal). Four integer operations for two values: both halves
+    move by the same shift."""
+    if j <= 1:
+        mag = (words << (6 - 4 * j)) & 0x01C001C0
+    else:
+        mag = (words >> (4 * j - 6)) & 0x01C001C0
+    if j < 3:
+        sign = (words << (12 - 4 * j)) & 0x80008000
+    else:
+        sign = words & 0x80008000
+    return mag | sign
 
 
 @triton.jit
-def _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr):
+def _bf16_halves(pair):
+    """A word of two bf16 bit patterns as two bf16 values (low half, high half)."""
+    return pair.to(tl.int16).to(tl.bfloat16, bitcast=True), (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _code_as_fp32(words, j: tl.constexpr):
+    """Code j of each uint32 word as an fp32 reading its value times 2^-126 (the same placement in a float's
+    exponent and mantissa, a code to a word)."""
+    if j <= 5:
+        mag = (words << (22 - 4 * j)) & 0x01C00000
+    else:
+        mag = (words >> (4 * j - 22)) & 0x01C00000
+    return (mag | ((words << (28 - 4 * j)) & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight [..., W] tensors as one [..., W, 8]: element i of v_j at [..., i, j]."""
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DTYPE: tl.constexpr, EVEN: tl.constexpr = False):
+    """Columns [k0, k0 + BLOCK_K) of rows n of a packed weight read as uint32 words (w_ptr: int32 [N, K/8], eight
+    codes a word, the first column's in the low nibble) with [N, K/32] e8m0 scales, as a DTYPE [BLOCK_N, BLOCK_K]
+    tile of their exact values. Words and scales are loaded once each, as a [BLOCK_N, BLOCK_K/32, 4] tile of
+    words and its [BLOCK_N, BLOCK_K/32, 1] scales (a scale broadcast over its four words in registers); EVEN:
+    the tile lies inside the weight (no masks).
+
+    The codes become floats by bit placement, then two multiplications put them in scale: by 2^126, then by the
+    scale (a power of two; both exact). For bf16, two codes a 32-bit operation (`_codes_as_bf16_pairs`) and
+    bf16x2 multiplications; else (fp16, fp32) one code an operation in fp32, rounded to DTYPE at the end. Per
+    byte of weights this is a few instructions, where decoding a code at a time from its byte with selects was
+    about 25: instruction-bound at a sixth of the H100's memory rate (bench/investigations/sass_mix.py)."""
+    G: tl.constexpr = BLOCK_K // 32
+    rows = n.to(tl.int64)[:, None, None]
+    groups = k0 // 32 + tl.arange(0, G)[None, :, None]
+    words_at = groups * 4 + tl.arange(0, 4)[None, None, :]
+    if EVEN:  # every row and column of the tile exists: no masks (a masked load sets its registers first)
+        words = tl.load(w_ptr + rows * stride_wn + words_at).to(tl.uint32, bitcast=True)
+        scale_bits = tl.load(s_ptr + rows * stride_sn + groups)
+    else:
+        words = tl.load(w_ptr + rows * stride_wn + words_at, mask=n_ok[:, None, None] & (words_at * 8 < K),
+                        other=0).to(tl.uint32, bitcast=True)
+        scale_bits = tl.load(s_ptr + rows * stride_sn + groups, mask=n_ok[:, None, None] & (groups * 32 < K),
+                             other=127)
+    if DTYPE == tl.bfloat16:
+        scale = (scale_bits.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        big = tl.full((1, 1, 1), 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # 2^126
+        v0, v4 = _bf16_halves(_codes_as_bf16_pairs(words, 0))
+        v1, v5 = _bf16_halves(_codes_as_bf16_pairs(words, 1))
+        v2, v6 = _bf16_halves(_codes_as_bf16_pairs(words, 2))
+        v3, v7 = _bf16_halves(_codes_as_bf16_pairs(words, 3))
+        tile = _interleave8(v0 * big * scale, v1 * big * scale, v2 * big * scale, v3 * big * scale,
+                            v4 * big * scale, v5 * big * scale, v6 * big * scale, v7 * big * scale)
+    else:
+        scale = (scale_bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        tile = _interleave8(_code_as_fp32(words, 0) * _TWO_126 * scale, _code_as_fp32(words, 1) * _TWO_126 * scale,
+                            _code_as_fp32(words, 2) * _TWO_126 * scale, _code_as_fp32(words, 3) * _TWO_126 * scale,
+                            _code_as_fp32(words, 4) * _TWO_126 * scale, _code_as_fp32(words, 5) * _TWO_126 * scale,
+                            _code_as_fp32(words, 6) * _TWO_126 * scale, _code_as_fp32(words, 7) * _TWO_126 * scale
+                            ).to(DTYPE)
+    return tl.reshape(tile, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _block_rows(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
+    """This program's expert (-1: an unused block), its rows of the SwiGLU buffer, their (token, k) pair indices
+    and which rows hold one. PER_PAIR: a block is one pair (block_expert_ptr: the flat top-k ids), its one row
+    padded to the BLOCK_M rows a tensor-core dot needs; else a block of expert-sorted slots (`moe._align`)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_M)
+    if PER_PAIR:
+        return expert, block + 0 * i, block + 0 * i, i == 0
+    slots = block * BLOCK_M + i
     pair = tl.load(slot_pair_ptr + slots)
     return expert, slots, pair, pair >= 0
 
 
-@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])  # (the bf16 kernels' tiles, picked by timing)
+@triton.jit
+def _rows_tile(ptr, rows, stride, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of activation rows `rows` (zero where not `rows_ok`)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = (k < K) | EVEN
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + k[None, :], mask=rows_ok[:, None] & k_ok[None, :],
+                   other=0.0)
+
+
+def _even(args) -> bool:
+    """Whether every tile lies inside the weights (D and I in whole BLOCK_N and BLOCK_K tiles)."""
+    return all(d % args["BLOCK_N"] == 0 and d % args["BLOCK_K"] == 0 for d in (args["D"], args["I"]))
+
+
+_KEY = ["D", "I", "BLOCK_M", "PER_PAIR"]
+
+
+@triton.autotune(configs=_CONFIGS, key=_KEY)  # (the bf16 kernels' tiles, picked by timing)
+@triton.heuristics({"EVEN": _even})
 @triton.jit
 def _fp4_gate_up_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, h_ptr,
     D, I, top_k, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    PER_PAIR: tl.constexpr, EVEN: tl.constexpr,
 ):
-    expert, slots, pair, ok = _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M)
+    """h[row] = SwiGLU(gate, up) of the row's token through its expert, for BLOCK_N of the I columns."""
+    expert, rows, pair, ok = _block_rows(block_expert_ptr, slot_pair_ptr, BLOCK_M, PER_PAIR)
     if expert < 0:
         return
     token = tl.where(ok, pair // top_k, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    dtype = x_ptr.dtype.element_ty
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        a_even, a_odd = _halves_of_rows(x_ptr, token, stride_xt, ok, k0, D, BLOCK_K)
-        g_even, g_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
-        gate = tl.dot(a_even, tl.trans(g_even), gate, input_precision=PRECISION)
-        gate = tl.dot(a_odd, tl.trans(g_odd), gate, input_precision=PRECISION)
-        u_even, u_odd = _fp4_halves(w_e, s_e, n + I, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
-        up = tl.dot(a_even, tl.trans(u_even), up, input_precision=PRECISION)
-        up = tl.dot(a_odd, tl.trans(u_odd), up, input_precision=PRECISION)
+        a = _rows_tile(x_ptr, token, stride_xt, ok, k0, D, BLOCK_K, EVEN)
+        w = _fp4_tile(w_e, s_e, n, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, a.dtype, EVEN)
+        gate = tl.dot(a, tl.trans(w), gate, input_precision=PRECISION)
+        w = _fp4_tile(w_e, s_e, n + I, k0, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, a.dtype, EVEN)
+        up = tl.dot(a, tl.trans(w), up, input_precision=PRECISION)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(h_ptr + slots[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
 
 
-@triton.autotune(configs=_CONFIGS, key=["D", "I", "BLOCK_M"])
+@triton.autotune(configs=_CONFIGS, key=_KEY)
+@triton.heuristics({"EVEN": _even})
 @triton.jit
 def _fp4_down_kernel(
     h_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, pair_weight_ptr, y_ptr,
     D, I,
     stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    PER_PAIR: tl.constexpr, EVEN: tl.constexpr,
 ):
-    expert, slots, pair, ok = _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M)
+    """y[pair] = its routing weight x W2_e h[row], for BLOCK_N of the D columns."""
+    expert, rows, pair, ok = _block_rows(block_expert_ptr, slot_pair_ptr, BLOCK_M, PER_PAIR)
     if expert < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
-    dtype = h_ptr.dtype.element_ty
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a_even, a_odd = _halves_of_rows(h_ptr, slots, stride_hm, ok, k0, I, BLOCK_K)
-        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, dtype)
-        acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=PRECISION)
-        acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
-    scale = tl.load(pair_weight_ptr + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
-    acc = acc * scale[:, None]
-    tl.store(y_ptr + tl.where(ok, pair, 0)[:, None] * stride_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),
+        a = _rows_tile(h_ptr, rows, stride_hm, ok, k0, I, BLOCK_K, EVEN)
+        w = _fp4_tile(w_e, s_e, n, k0, n_ok, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, a.dtype, EVEN)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    at = tl.where(ok, pair, 0)
+    acc = acc * tl.load(pair_weight_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + at.to(tl.int64)[:, None] * stride_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, N, BLOCK_N: tl.constexpr):
-    """This program's (token, expert) pair, its BLOCK_N output columns (of N) and which exist, and its expert's
-    packed weight and scale pointers."""
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pair, n, n < N, w_ptr + expert * stride_we, s_ptr + expert * stride_se
-
-
-@triton.jit
-def _fp4_row_dot(row_ptr, w_e, s_e, n, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k W[n, k] * row[k] in fp32 for one activation row: each K step's weight tile decoded to fp32 (two
-    half-width tiles, even and odd columns) and multiplied on the CUDA cores, summed along K."""
-    row, row_ok = tl.zeros((1,), tl.int32), tl.full((1,), 1, tl.int1)  # (one row: `_halves_of_rows`' [1, K/2])
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        even, odd = _halves_of_rows(row_ptr, row, 0, row_ok, k0, K, BLOCK_K)
-        w_even, w_odd = _fp4_halves(w_e, s_e, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, tl.float32)
-        acc += tl.sum(w_even * even.to(tl.float32) + w_odd * odd.to(tl.float32), axis=1)
-    return acc
-
-
-@triton.jit
-def _fp4_pair_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, D, I, top_k, limit,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One (token, expert) pair's gate/up columns [n, n + BLOCK_N) and their clamped SwiGLU, as two GEMVs."""
-    pair, n, n_ok, w_e, s_e = _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, I, BLOCK_N)
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-    gate = _fp4_row_dot(x_row, w_e, s_e, n, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-    up = _fp4_row_dot(x_row, w_e, s_e, n + I, n_ok, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(h_ptr + pair * stride_hp + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _fp4_pair_down_kernel(
-    h_ptr, w_ptr, s_ptr, ids_ptr, pair_weight_ptr, y_ptr, D, I,
-    stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_yp,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One pair's down-projection columns [n, n + BLOCK_N), times its routing weight, as a GEMV."""
-    pair, n, n_ok, w_e, s_e = _pair_columns(ids_ptr, w_ptr, s_ptr, stride_we, stride_se, D, BLOCK_N)
-    acc = _fp4_row_dot(h_ptr + pair.to(tl.int64) * stride_hp, w_e, s_e, n, n_ok, I, stride_wn, stride_sn,
-                       BLOCK_N, BLOCK_K)
-    acc = acc * tl.load(pair_weight_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + pair * stride_yp + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-#: (token, expert) pairs up to which each pair runs as its own GEMV (`_fp4_pair_*`: no sorting, no tensor-core
-#: tiles of 16 rows for one) instead of the grouped kernels, which read each chosen expert once however many pairs
-#: chose it. A decode step of one or two sequences at top-6.
+#: (token, expert) pairs up to which each pair is a block of its own (`PER_PAIR`: no sorting, its one row padded
+#: to the 16 a tensor-core dot needs) instead of expert-sorted blocks, which read each chosen expert once however
+#: many pairs chose it. A decode step of one or two sequences at top-6.
 PAIR_GEMV_PAIRS = 16
-_PAIR_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    tile = _fp4_tile(w_ptr, s_ptr, n, k0, n < N, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :], tile, mask=(n < N)[:, None] & (k < K)[None, :])
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes [..., N, K/2] with [..., N, K/32] e8m0 scales -> their values in `dtype` [..., N, K] (K a
+    multiple of 8), by the kernels' own decode: bitwise `quant.dequantize_fp4` rounded to `dtype` (the values
+    are exact in bf16 and fp32), in one launch (the batch-invariant mode's experts, which take 16-bit weights)."""
+    *lead, N, half = packed.shape
+    K = 2 * half
+    if K % 8:
+        raise ValueError(f"FP4 weights are read as words of eight codes: the input dim ({K}) must be a multiple of 8")
+    rows = packed.numel() // max(half, 1)
+    words, bits = _words(packed).reshape(rows, K // 8), _e8m0_bits(scale).contiguous().reshape(rows, -1)
+    out = torch.empty((rows, K), dtype=dtype, device=packed.device)
+    if rows and K:
+        _dequantize_kernel[(triton.cdiv(rows, 32), triton.cdiv(K, 64))](
+            words, bits, out, rows, K, words.stride(0), bits.stride(0), out.stride(0), BLOCK_N=32, BLOCK_K=64)
+    return out.view(*lead, N, K)
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., K/2] (int8, uint8 or float4_e2m1fn_x2) as int32 words [..., K/8], eight codes a word."""
+    return packed.view(torch.uint8).contiguous().view(torch.int32)
 
 
 def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor:
@@ -215,8 +285,10 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
+    if D % 8 or I % 8:
+        raise ValueError(f"FP4 experts are read as words of eight codes: D ({D}) and I ({I}) must be multiples of 8")
     x = x.contiguous()
-    w13, w2 = w13.view(torch.uint8).contiguous(), w2.view(torch.uint8).contiguous()
+    w13, w2 = _words(w13), _words(w2)
     s13, s2 = _e8m0_bits(s13).contiguous(), _e8m0_bits(s2).contiguous()
     pairs = T * top_k
     if pair_out is None:
@@ -224,31 +296,27 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if T == 0:
         return pair_out.view(T, top_k, D).sum(1)
     weights = topk_weights.reshape(-1).float().contiguous()
-    if pairs <= PAIR_GEMV_PAIRS if per_pair is None else per_pair:
-        cfg = {**_PAIR_TILES, **{k: v for k, v in (tiles or {}).items() if k != "block_m"}}
-        ids = topk_ids.reshape(-1).contiguous()
-        h = torch.empty((pairs, I), dtype=x.dtype, device=x.device)
-        _fp4_pair_gate_up_kernel[(pairs, triton.cdiv(I, cfg["BLOCK_N"]))](
-            x, w13, s13, ids, h, D, I, top_k, float(limit),
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), **cfg)
-        _fp4_pair_down_kernel[(pairs, triton.cdiv(D, cfg["BLOCK_N"]))](
-            h, w2, s2, ids, weights, pair_out, D, I,
-            h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0), **cfg)
-        return pair_out.view(T, top_k, D).sum(1)
-    bm = tiles["block_m"] if tiles and "block_m" in tiles else _block_m(pairs)
+    per_pair = pairs <= PAIR_GEMV_PAIRS if per_pair is None else per_pair
     fixed = {k: v for k, v in (tiles or {}).items() if k != "block_m"}  # (else the autotuner's pick)
     gate_up, down = (_fp4_gate_up_swiglu_kernel.fn, _fp4_down_kernel.fn) if fixed else \
         (_fp4_gate_up_swiglu_kernel, _fp4_down_kernel)
-    align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
-    slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
-    h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
+    if per_pair:
+        bm, num_blocks = 16, pairs
+        block_expert = topk_ids.reshape(-1).contiguous()
+        slot_pair = block_expert  # (not read)
+        h = torch.empty((pairs, I), dtype=x.dtype, device=x.device)
+    else:
+        bm = tiles["block_m"] if tiles and "block_m" in tiles else _block_m(pairs)
+        align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
+        slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
+        h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
     gate_up[lambda meta: (num_blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, s13, slot_pair, block_expert, h, D, I, top_k, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
-        BLOCK_M=bm, PRECISION=precision, **fixed)
+        BLOCK_M=bm, PRECISION=precision, PER_PAIR=per_pair, **fixed)
     down[lambda meta: (num_blocks, triton.cdiv(D, meta["BLOCK_N"]))](
         h, w2, s2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, PRECISION=precision, **fixed)
+        BLOCK_M=bm, PRECISION=precision, PER_PAIR=per_pair, **fixed)
     return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once

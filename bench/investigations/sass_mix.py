@@ -1,0 +1,198 @@
+"""What a Triton kernel's hot loop costs in instructions on Hopper, without a GPU: compile it for sm_90a here (Triton
+ships ptxas and nvdisasm), find its loops in the SASS, and count each loop's instructions by the pipe that runs
+them, per byte of weights the loop streams.
+
+    python bench/investigations/sass_mix.py [--cases fp4_pair,fp4_grouped,fp8_gemv,bf16_gemv] [--out FILE]
+    PYTHONPATH=/tmp/old python bench/investigations/sass_mix.py ...    # another tree's kernels
+
+Why: a decode step's projections should be bound by the bytes they read (3.35 TB/s on an H100 SXM: about 15 bytes
+a clock per multiprocessor at 1.755 GHz). A kernel that decodes stored weights in registers spends instructions
+per byte; if its loop needs more issue slots (or more slots of one pipe) than the bytes allow, it is bound by
+the instructions, not the memory. The stored model's FP4 experts ran at about a tenth of their bytes on an H100
+(bench/investigations/stored_profile.py), which this shows before and after a change, on a CPU.
+
+The model (a bound, not a timing): each of the 4 sub-partitions of a multiprocessor issues one warp instruction a
+clock; per sub-partition the FMA pipe takes one warp instruction a clock (FADD, FMUL, FFMA, HMUL2, ...), the integer
+ALU and IMAD half of that (16 lanes), conversions and special functions an eighth (4 lanes), loads and shuffles
+a quarter. A loop's clocks per iteration on one sub-partition are at least its instructions, and at least each
+pipe's instructions over that pipe's rate. Bytes per clock per multiprocessor = bytes a CTA's iteration streams
+/ (the busiest bound x the CTA's warps / 4). Latency, occupancy and the memory system are left out: the
+bound says whether the instructions alone can keep up with the bytes, not how fast the kernel runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` counts that tree's kernels
+
+SMS, CLOCK_GHZ = 132, 1.755  # an H100 SXM's multiprocessors and its clock under load
+HBM_TB_S = 3.35
+
+#: warp instructions a clock per sub-partition, by pipe; an opcode not listed counts against issue only
+RATES = {"fp32": 1.0, "alu": 0.5, "imad": 0.5, "conv": 0.125, "mufu": 0.125, "lsu": 0.25, "tensor": None}
+PIPES = {
+    "fp32": {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK", "HADD2", "HMUL2", "HFMA2", "HMNMX2"},
+    "alu": {"LOP3", "SHF", "IADD3", "ISETP", "SEL", "PRMT", "LEA", "SGXT", "VIADD", "IMNMX", "LOP", "BFE", "BFI",
+            "FLO", "POPC", "PLOP3", "VIMNMX", "IABS", "F2FP"},
+    "imad": {"IMAD", "IMUL"},
+    "conv": {"F2F", "F2I", "I2F", "I2FP", "F2IP", "FRND"},
+    "mufu": {"MUFU"},
+    "lsu": {"LDG", "LDS", "STS", "STG", "LDL", "STL", "SHFL", "LDSM", "ATOM", "ATOMS", "RED", "LD", "ST"},
+    "tensor": {"HMMA", "HGMMA", "IMMA", "QGMMA"},
+}
+OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 odd: tuple = ("M", "top_k")) -> str:
+    """The kernel's SASS for sm_90a (disassembled by the nvdisasm Triton ships). As the JIT specializes a launch,
+    every pointer is taken as 16-byte aligned and every integer as a multiple of 16 (V4-Flash's dims and strides
+    are), except those named in `odd` (a decode step's row count, top-k)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    while not isinstance(fn, triton.JITFunction):  # (an autotuned or heuristic kernel's own function)
+        fn = fn.fn
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    names = list(fn.arg_names)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+             if (v.startswith("*") or v == "i32") and k not in odd}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    cubin = Path("/tmp") / f"sass_mix_{fn.__name__}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def loops(sass: str) -> list[collections.Counter]:
+    """Each loop (a label with a backward branch to it) as its opcode counts, innermost bodies included."""
+    lines = sass.splitlines()
+    at: dict[str, int] = {}
+    found = []
+    for i, line in enumerate(lines):
+        m = LABEL.match(line.strip())
+        if m:
+            at[m.group(1)] = i
+        b = BRANCH.search(line)
+        if b and b.group(1) in at and at[b.group(1)] < i:
+            found.append(collections.Counter(
+                m.group(1) for m in map(OPCODE.search, lines[at[b.group(1)]:i + 1]) if m))
+    return found
+
+
+def pipe_counts(ops: collections.Counter) -> dict[str, int]:
+    out = {p: 0 for p in PIPES}
+    for op, n in ops.items():
+        for pipe, names in PIPES.items():
+            if op in names:
+                out[pipe] += n
+                break
+    return out
+
+
+def bound(ops: collections.Counter, bytes_per_iteration: int, num_warps: int) -> dict:
+    """Clocks a sub-partition needs per iteration of one warp (issue and each pipe) and the bytes per clock per
+    multiprocessor the busiest allows, with the H100's HBM rate for scale."""
+    pipes = pipe_counts(ops)
+    clocks = {"issue": sum(ops.values())}
+    clocks.update({p: n / RATES[p] for p, n in pipes.items() if RATES[p]})
+    worst = max(clocks, key=clocks.get)
+    per_clock = bytes_per_iteration / (clocks[worst] * num_warps / 4)
+    return {"instructions": sum(ops.values()), "pipes": pipes, "bound_by": worst,
+            "instructions_per_byte": round(sum(ops.values()) * num_warps / bytes_per_iteration, 3),
+            "bytes_per_clock_per_sm": round(per_clock, 2),
+            "bound_TB_s": round(per_clock * SMS * CLOCK_GHZ / 1e3, 2), "hbm_TB_s": HBM_TB_S,
+            "top": dict(ops.most_common(12))}
+
+
+def cases() -> dict:
+    """name -> (kernel, signature, constexprs, warps, stages, bytes of weights a CTA's loop iteration reads)."""
+    from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear, gemv
+
+    i32, fp32 = "i32", "fp32"
+    pair = dict(BLOCK_N=64, BLOCK_K=128)
+    grouped = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="ieee")
+    fp8 = dict(BR=128, BC=128, E8M0=True, ACT_FP8=False, SPLIT=4, REDUCE=True, PRECISION="ieee",
+               BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    dense = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRECISION="ieee", SPLIT=4, NORM=False)
+    fp4_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i32", "block_expert_ptr": "*i32",
+               "h_ptr": "*bf16", "D": i32, "I": i32, "top_k": i32, "limit": fp32, "stride_xt": i32, "stride_we": i32,
+               "stride_wn": i32, "stride_se": i32, "stride_sn": i32, "stride_hm": i32}
+    fp4_bytes = 2 * grouped["BLOCK_N"] * grouped["BLOCK_K"] // 2  # a gate and an up tile an iteration
+    if hasattr(fp4_moe, "_fp4_pair_gate_up_kernel"):  # (the tree before the word decode: bytes, a kernel a path)
+        fp4 = {
+            "fp4_pair": (fp4_moe._fp4_pair_gate_up_kernel,
+                         {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*bf16",
+                          "D": i32, "I": i32, "top_k": i32, "limit": fp32, "stride_xt": i32, "stride_we": i32,
+                          "stride_wn": i32, "stride_se": i32, "stride_sn": i32, "stride_hp": i32},
+                         pair, 4, 3, fp4_bytes),
+            "fp4_grouped": (fp4_moe._fp4_gate_up_swiglu_kernel.fn, {**fp4_sig, "w_ptr": "*u8"}, grouped, 4, 3,
+                            fp4_bytes)}
+    else:
+        fp4 = {name: (fp4_moe._fp4_gate_up_swiglu_kernel.fn, fp4_sig, {**grouped, "PER_PAIR": per_pair, "EVEN": True}, 4, 3,
+                      fp4_bytes) for name, per_pair in (("fp4_pair", True), ("fp4_grouped", False))}
+    return {
+        **fp4,
+        "fp8_gemv": (fp8_linear._fp8_linear_kernel,
+                     {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32",
+                      "out_ptr": "*bf16", "count_ptr": "*i32", "M": i32, "N": i32, "K": i32, "chunk": i32,
+                      "stride_xm": i32, "stride_xg": i32, "stride_xsm": i32, "stride_wn": i32, "stride_sn": i32,
+                      "stride_sk": i32, "stride_yp": i32, "stride_yg": i32, "stride_ym": i32, "stride_og": i32,
+                      "stride_om": i32},
+                     fp8, 4, 4, fp8["BLOCK_N"] * fp8["BLOCK_K"]),
+        "bf16_gemv": (gemv._gemv_kernel,
+                      {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                       "count_ptr": "*i32", "norm_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "chunk": i32,
+                       "eps": fp32, "stride_xg": i32, "stride_xm": i32, "stride_wg": i32, "stride_wn": i32,
+                       "stride_og": i32, "stride_om": i32},
+                      dense, 2, 3, 2 * dense["BLOCK_N"] * dense["BLOCK_K"]),
+    }
+
+
+def measure(names: list[str]) -> dict:
+    table = cases()
+    out = {}
+    for name in names:
+        fn, sig, const, warps, stages, nbytes = table[name]
+        found = loops(compile_sass(fn, sig, const, warps, stages))
+        if not found:
+            raise SystemExit(f"{name}: no loop found in its SASS")
+        # the loops that stream the weights: the largest, and any within a tenth of it (fp4_pair: gate and up)
+        big = max(sum(c.values()) for c in found)
+        hot = [c for c in found if sum(c.values()) >= 0.9 * big]
+        per_iteration = sum(hot, collections.Counter())
+        out[name] = {"constexprs": const, "num_warps": warps, "loops": len(hot),
+                     "bytes_per_iteration": nbytes, **bound(per_iteration, nbytes, warps)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="fp4_pair,fp4_grouped,fp8_gemv,bf16_gemv")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    result = measure(args.cases.split(","))
+    for name, r in result.items():
+        print(f"{name:12s} {r['instructions']:5d} instr/iter ({r['loops']} loop(s)), {r['instructions_per_byte']:.2f} "
+              f"per byte, bound by {r['bound_by']:6s}: {r['bytes_per_clock_per_sm']:6.2f} B/clk/SM = "
+              f"{r['bound_TB_s']:.2f} TB/s (HBM {HBM_TB_S})  pipes {r['pipes']}")
+    if args.out:
+        args.out.write_text(json.dumps({"model": {"sms": SMS, "clock_ghz": CLOCK_GHZ, "rates": RATES},
+                                        "cases": result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
