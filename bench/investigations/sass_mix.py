@@ -2,7 +2,7 @@
 ships ptxas and nvdisasm), find its loops in the SASS, and count each loop's instructions by the pipe that runs
 them, per byte of weights the loop streams.
 
-    python bench/investigations/sass_mix.py [--cases fp4_pair,fp4_grouped,fp8_gemv,bf16_gemv] [--out FILE]
+    python bench/investigations/sass_mix.py [--cases fp4_pair,fp4_grouped,fp8_gemv,fp8_prefill,bf16_gemv] [--out FILE]
     PYTHONPATH=/tmp/old python bench/investigations/sass_mix.py ...    # another tree's kernels
 
 Why: a decode step's projections should be bound by the bytes they read (3.35 TB/s on an H100 SXM: about 15 bytes
@@ -35,6 +35,7 @@ sys.path.append(str(ROOT))  # after PYTHONPATH: `PYTHONPATH=/tmp/old` counts tha
 
 SMS, CLOCK_GHZ = 132, 1.755  # an H100 SXM's multiprocessors and its clock under load
 HBM_TB_S = 3.35
+FP8_PEAK_TFLOP_S = 1979  # dense, the data sheet's (bench/gpu.py measured 1,285 on an H100 in stop 37)
 
 #: warp instructions a clock per sub-partition, by pipe; an opcode not listed counts against issue only
 RATES = {"fp32": 1.0, "alu": 0.5, "imad": 0.5, "conv": 0.125, "mufu": 0.125, "lsu": 0.25, "tensor": None}
@@ -103,23 +104,30 @@ def pipe_counts(ops: collections.Counter) -> dict[str, int]:
     return out
 
 
-def bound(ops: collections.Counter, bytes_per_iteration: int, num_warps: int) -> dict:
+def bound(ops: collections.Counter, bytes_per_iteration: int, num_warps: int, flops_per_iteration: int = 0) -> dict:
     """Clocks a sub-partition needs per iteration of one warp (issue and each pipe) and the bytes per clock per
-    multiprocessor the busiest allows, with the H100's HBM rate for scale."""
+    multiprocessor the busiest allows, with the H100's HBM rate for scale; with `flops_per_iteration` (a CTA's
+    tensor-core work an iteration) also the FLOP rate the instructions allow, against FP8's dense peak."""
     pipes = pipe_counts(ops)
     clocks = {"issue": sum(ops.values())}
     clocks.update({p: n / RATES[p] for p, n in pipes.items() if RATES[p]})
     worst = max(clocks, key=clocks.get)
-    per_clock = bytes_per_iteration / (clocks[worst] * num_warps / 4)
-    return {"instructions": sum(ops.values()), "pipes": pipes, "bound_by": worst,
-            "instructions_per_byte": round(sum(ops.values()) * num_warps / bytes_per_iteration, 3),
-            "bytes_per_clock_per_sm": round(per_clock, 2),
-            "bound_TB_s": round(per_clock * SMS * CLOCK_GHZ / 1e3, 2), "hbm_TB_s": HBM_TB_S,
-            "top": dict(ops.most_common(12))}
+    sm_clocks = clocks[worst] * num_warps / 4  # a CTA's iteration on one multiprocessor
+    per_clock = bytes_per_iteration / sm_clocks
+    out = {"instructions": sum(ops.values()), "pipes": pipes, "bound_by": worst,
+           "instructions_per_byte": round(sum(ops.values()) * num_warps / bytes_per_iteration, 3),
+           "bytes_per_clock_per_sm": round(per_clock, 2),
+           "bound_TB_s": round(per_clock * SMS * CLOCK_GHZ / 1e3, 2), "hbm_TB_s": HBM_TB_S,
+           "top": dict(ops.most_common(12))}
+    if flops_per_iteration:
+        out["bound_TFLOP_s"] = round(flops_per_iteration / sm_clocks * SMS * CLOCK_GHZ / 1e3, 0)
+        out["fp8_peak_TFLOP_s"] = FP8_PEAK_TFLOP_S
+    return out
 
 
 def cases() -> dict:
-    """name -> (kernel, signature, constexprs, warps, stages, bytes of weights a CTA's loop iteration reads)."""
+    """name -> (kernel, signature, constexprs, warps, stages, bytes of weights a CTA's loop iteration reads[, its
+    tensor-core FLOPs])."""
     from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear, gemv
 
     i32, fp32 = "i32", "fp32"
@@ -153,6 +161,15 @@ def cases() -> dict:
                       "stride_sk": i32, "stride_yp": i32, "stride_yg": i32, "stride_ym": i32, "stride_og": i32,
                       "stride_om": i32},
                      fp8, 4, 4, fp8["BLOCK_N"] * fp8["BLOCK_K"]),
+        # the prefill path: FP8 activations on FP8 tensor cores, each K step's product promoted with both scales
+        "fp8_prefill": (fp8_linear._fp8_linear_kernel,
+                        {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32",
+                         "out_ptr": "*bf16", "count_ptr": "*i32", "M": i32, "N": i32, "K": i32, "chunk": i32,
+                         "stride_xm": i32, "stride_xg": i32, "stride_xsm": i32, "stride_wn": i32, "stride_sn": i32,
+                         "stride_sk": i32, "stride_yp": i32, "stride_yg": i32, "stride_ym": i32, "stride_og": i32,
+                         "stride_om": i32},
+                        {**fp8, "ACT_FP8": True, "SPLIT": 1, "REDUCE": False, "BLOCK_M": 128, "BLOCK_N": 128},
+                        8, 3, 128 * 128, 2 * 128 * 128 * 128),
         "bf16_gemv": (gemv._gemv_kernel,
                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
                        "count_ptr": "*i32", "norm_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "chunk": i32,
@@ -166,8 +183,8 @@ def measure(names: list[str]) -> dict:
     table = cases()
     out = {}
     for name in names:
-        fn, sig, const, warps, stages, nbytes = table[name]
-        found = loops(compile_sass(fn, sig, const, warps, stages))
+        fn, sig, const, warps, stages, nbytes, *flops = table[name]
+        found = loops(compile_sass(fn, sig, const, warps, stages, odd=("top_k",) if flops else ("M", "top_k")))
         if not found:
             raise SystemExit(f"{name}: no loop found in its SASS")
         # the loops that stream the weights: the largest, and any within a tenth of it (fp4_pair: gate and up)
@@ -175,20 +192,22 @@ def measure(names: list[str]) -> dict:
         hot = [c for c in found if sum(c.values()) >= 0.9 * big]
         per_iteration = sum(hot, collections.Counter())
         out[name] = {"constexprs": const, "num_warps": warps, "loops": len(hot),
-                     "bytes_per_iteration": nbytes, **bound(per_iteration, nbytes, warps)}
+                     "bytes_per_iteration": nbytes, **bound(per_iteration, nbytes, warps, *flops)}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="fp4_pair,fp4_grouped,fp8_gemv,bf16_gemv")
+    ap.add_argument("--cases", default="fp4_pair,fp4_grouped,fp8_gemv,fp8_prefill,bf16_gemv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = measure(args.cases.split(","))
     for name, r in result.items():
         print(f"{name:12s} {r['instructions']:5d} instr/iter ({r['loops']} loop(s)), {r['instructions_per_byte']:.2f} "
               f"per byte, bound by {r['bound_by']:6s}: {r['bytes_per_clock_per_sm']:6.2f} B/clk/SM = "
-              f"{r['bound_TB_s']:.2f} TB/s (HBM {HBM_TB_S})  pipes {r['pipes']}")
+              f"{r['bound_TB_s']:.2f} TB/s (HBM {HBM_TB_S})"
+              + (f", {r['bound_TFLOP_s']:.0f} TFLOP/s (FP8 peak {FP8_PEAK_TFLOP_S})" if "bound_TFLOP_s" in r else "")
+              + f"  pipes {r['pipes']}")
     if args.out:
         args.out.write_text(json.dumps({"model": {"sms": SMS, "clock_ghz": CLOCK_GHZ, "rates": RATES},
                                         "cases": result}, indent=1))
