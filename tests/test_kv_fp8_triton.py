@@ -358,6 +358,10 @@ CASES = {
     "index-scores-bf16": (check_packed_index_scores, dict(T=5, B=5, Hi=16, Di=128, P=2, num_pages=6, rpp=64,
                                                           dtype=torch.bfloat16, query_rows=False)),
     "index-scores-di16": (check_packed_index_scores, dict(T=4, B=2, Hi=3, Di=16, P=4, num_pages=5, rpp=4)),
+    # keys of whole words (V4's 128 dims, and 256), decoded eight codes a word as the FP4 experts are
+    "index-scores-words": (check_packed_index_scores, dict(T=6, B=3, Hi=4, Di=128, P=3, num_pages=8, rpp=16)),
+    "index-scores-words-256": (check_packed_index_scores, dict(T=3, B=2, Hi=2, Di=256, P=2, num_pages=4, rpp=8,
+                                                               dtype=torch.bfloat16)),
     # writes: V4-Flash's rows and keys (fp32 and bf16 inputs); the tiny model's (one short FP8 block, 16-value keys)
     "store-fp8-flash": (check_store_rows, dict(kind="fp8", width=512, rope=64)),
     "store-fp8-flash-bf16": (check_store_rows, dict(kind="fp8", width=512, rope=64, dtype=torch.bfloat16, seed=1)),

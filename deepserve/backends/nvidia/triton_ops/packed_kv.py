@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .attention import LOG2E, _merge_kernel, finish_part, launch_buffers, online_block, start_part, tile_choice
 from .common import dot_precision
-from .fp4_moe import _e2m1, _ue8m0
+from .fp4_moe import _e2m1, _fp4_tile, _ue8m0
 from .indexer import _top_columns
 
 FP8_BLOCK = 64  # non-RoPE dims per scale byte of a KV row
@@ -113,14 +113,15 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
 
 @triton.jit
 def _packed_index_scores_kernel(
-    q_ptr, w_ptr, keys_ptr, count_ptr, table_ptr, qrow_ptr, out_ptr,
+    q_ptr, w_ptr, keys_ptr, keys_words_ptr, count_ptr, table_ptr, qrow_ptr, out_ptr,
     Hi, width,
     stride_qt, stride_qh, stride_wt, stride_key, stride_tt, stride_ot,
     DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, RPP: tl.constexpr,
-    QROWS: tl.constexpr,
+    QROWS: tl.constexpr, WORDS: tl.constexpr,
 ):
     """`indexer._indexer_scores_kernel` (PAGED) with each block of keys read as FP4 bytes: key r of query t is
-    row r % RPP of page `table[qrow, r // RPP]`, qrow its table row (`qrow_ptr[t]` with QROWS, else t)."""
+    row r % RPP of page `table[qrow, r // RPP]`, qrow its table row (`qrow_ptr[t]` with QROWS, else t). WORDS:
+    the pages also as int32 words (`keys_words_ptr`; a key's bytes a whole number of words)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     count = tl.load(count_ptr + t).to(tl.int32)
@@ -138,10 +139,15 @@ def _packed_index_scores_kernel(
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
                     other=0.0)
         w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
-        packed = tl.load(keys_ptr + base + dims[None, :] // 2, mask=visible[:, None], other=0)
-        code = tl.where((dims % 2 == 0)[None, :], packed & 15, packed >> 4)
-        scale = _ue8m0(tl.load(keys_ptr + base + DI // 2 + dims[None, :] // 32, mask=visible[:, None], other=0))
-        keys = (_e2m1(code) * scale).to(q.dtype)
+        if WORDS:  # a key's codes as words of eight, decoded as the FP4 experts' weights are (`_fp4_tile`)
+            rows = page.to(tl.int64) * RPP + cols % RPP
+            keys = _fp4_tile(keys_words_ptr, keys_ptr + DI // 2, rows, 0, visible, DI, stride_key // 4, stride_key,
+                             BLOCK_N, DI, q.dtype)
+        else:  # a code at a time (keys whose rows are not whole words: DI below 128)
+            packed = tl.load(keys_ptr + base + dims[None, :] // 2, mask=visible[:, None], other=0)
+            code = tl.where((dims % 2 == 0)[None, :], packed & 15, packed >> 4)
+            scale = _ue8m0(tl.load(keys_ptr + base + DI // 2 + dims[None, :] // 32, mask=visible[:, None], other=0))
+            keys = (_e2m1(code) * scale).to(q.dtype)
         s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [heads, keys]
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
         tl.store(out_ptr + t * stride_ot + cols, tl.where(visible, score, float("-inf")), mask=cols < width)
@@ -169,11 +175,12 @@ def packed_index_scores(q: torch.Tensor, weights: torch.Tensor, pages: torch.Ten
         return out
     block_n = 64
     qrows = query_rows.contiguous() if query_rows is not None else key_count  # (unread without QROWS)
+    words = Di >= FP4_BLOCK and pages.shape[-1] % 4 == 0  # (V4's 128-wide keys: 68 bytes, 17 words)
     _packed_index_scores_kernel[(T, triton.cdiv(width, block_n))](
-        q, weights, pages, key_count, tables, qrows, out, Hi, width,
+        q, weights, pages, pages.view(torch.int32) if words else pages, key_count, tables, qrows, out, Hi, width,
         q.stride(0), q.stride(1), weights.stride(0), pages.shape[-1], tables.stride(0), out.stride(0),
         DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_N=block_n, PRECISION=dot_precision(dtype),
-        RPP=rpp, QROWS=query_rows is not None, num_warps=4, num_stages=2,
+        RPP=rpp, QROWS=query_rows is not None, WORDS=words, num_warps=4, num_stages=2,
     )
     return out
 
