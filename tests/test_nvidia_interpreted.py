@@ -10,7 +10,9 @@
   (checked too, so the comparison can fail: the interpreter's numpy products are invariant only where the tiles
   are fixed, as the GPU's are).
 - Both modes compute the model: the prefill's greedy token and its logprob are the reference backend's (the
-  interpreter's bf16 products widened to fp32, as tensor cores multiply them).
+  interpreter's bf16 products widened to fp32, as tensor cores multiply them); with weights kept as stored (FP8
+  projections, FP4 experts) every greedy token and its logprob, through the stored kernels (the FP4 experts'
+  grouped and per-pair paths, the shared expert fused with a decode step's pairs).
 
 The interpreter must be chosen before triton is first imported, so the checks run in one child process (this file
 run as a script) and each test reads its result. Skipped where triton is not installed or a GPU is present (there
@@ -114,6 +116,36 @@ def _static_layout_reads(path) -> None:
     _no_stale_reads(llm, _bits(llm, [PROMPT]))
 
 
+def _stored(work: Path) -> dict:
+    """Weights kept as stored (FP8 projections, FP4 experts: the demo widened to whole 128-row scale blocks and
+    written as DeepSeek stores V4) through the kernels, in both modes: the greedy tokens and their logprobs against
+    the reference backend's (which dequantizes). The default mode's prefill takes the grouped FP4 kernels, its
+    decode steps the fused pairs-and-shared-expert kernels; the invariant mode dequantizes the experts by the
+    kernels' own decode."""
+    from deepserve import LLM
+    from deepserve.backends.reference import ReferenceBackend
+    from deepserve.model.factory import load_model
+    from deepserve.model.writer import save_checkpoint
+    from deepserve.tools.demo_checkpoint import build_demo_checkpoint
+
+    demo = build_demo_checkpoint(work / "wide", seed=5, num_hidden_layers=2, num_hash_layers=1,
+                                 layer_types=["sliding_attention", "compressed_sparse_attention"], hidden_size=256,
+                                 head_dim=128, q_lora_rank=128, o_lora_rank=128, moe_intermediate_size=128,
+                                 index_head_dim=128)
+    stored = save_checkpoint(load_model(demo, ReferenceBackend("cpu"), "float32", progress=False), work / "stored",
+                             quantization="fp8")
+    reference = _bits(LLM(model=str(stored), accelerator="cpu", dtype="bfloat16", max_num_seqs=4,
+                          max_model_len=256), [PROMPT])
+    found = {"reference": reference}
+    for name, invariant in (("default", False), ("invariant", True)):
+        llm = _llm(stored, batch_invariant=invariant, enforce_eager=True)
+        tokens, logprobs = _bits(llm, [PROMPT])
+        assert tokens == reference[0], (name, tokens, reference)
+        assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < 0.1, (name, logprobs, reference)
+        found[name] = [tokens, logprobs]
+    return found
+
+
 def run_cases() -> dict[str, object]:
     from deepserve.tools.demo_checkpoint import build_demo_checkpoint
 
@@ -122,7 +154,8 @@ def run_cases() -> dict[str, object]:
                                  layer_types=["sliding_attention", "compressed_sparse_attention",
                                               "heavily_compressed_attention"])
     results: dict[str, object] = {}
-    for name, case in (("modes", lambda: _modes(path)), ("stale-static", lambda: _static_layout_reads(path))):
+    for name, case in (("modes", lambda: _modes(path)), ("stale-static", lambda: _static_layout_reads(path)),
+                       ("stored", lambda: _stored(Path(sys.argv[1])))):
         try:
             results[name] = case() or "ok"
         except Exception:  # noqa: BLE001 - reported to the parent test by name
@@ -147,6 +180,10 @@ def test_the_batch_invariant_mode_keeps_a_requests_bits_whatever_shares_its_step
     assert isinstance(modes, dict), modes
     inv = modes["invariant"]
     assert inv["batched"] == inv["alone"] and inv["chunked"] == inv["alone"], inv
+
+
+def test_stored_weights_through_the_kernels_compute_the_model(interpreted):
+    assert isinstance(interpreted["stored"], dict), interpreted["stored"]
 
 
 def test_the_default_mode_is_not_batch_invariant_here(interpreted):

@@ -120,6 +120,33 @@ def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0, per
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def check_fp4_moe_with_shared(k, device, T, D, I, E, top_k, block, dtype=torch.float32, seed=0) -> None:
+    """`fp4_moe_with_shared` (routed FP4 experts and an FP8 shared expert in two launches) against the reference
+    backend's routed experts plus the dequantized shared expert's clamped SwiGLU, in fp32 on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
+                                                                         / D**0.5)), (1, 32))
+    w2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, D, I, generator=g)
+                                                                        / I**0.5)), (1, 32))
+    s13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp8(torch.randn(2 * I, D, generator=g)
+                                                                         / D**0.5, block=block)), block)
+    s2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp8(torch.randn(D, I, generator=g) / I**0.5,
+                                                                        block=block)), block)
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(device)
+    weights = torch.rand(T, top_k, generator=g).to(device)
+    xf = x.float().cpu()
+    routed = ReferenceBackend("cpu", exact=False).quantized_moe_experts(
+        xf, ids.cpu(), weights.cpu(), *(quant.QuantizedWeight(w.data.cpu(), w.scale.cpu(), w.block) for w in (w13, w2)),
+        7.0)
+    gate, up = (xf @ s13.dequantize(torch.float32).cpu().t()).split(I, dim=1)
+    shared = (torch.nn.functional.silu(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)) @ s2.dequantize(torch.float32).cpu().t()
+    y = k.fp4_moe.fp4_moe_with_shared(x, ids, weights, w13.data, w13.scale, w2.data, w2.scale, 7.0, s13.data,
+                                      s13.scale, s2.data, s2.scale, block)
+    assert y.shape == (T, D) and y.dtype == dtype
+    assert rel_err(y.cpu(), routed + shared) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def check_fp4_dequantize(k, device, dtype, rows=16, cols=256) -> None:
     """`fp4_moe.dequantize` (the FP4 kernels' own decode, `_fp4_tile`) against `quant.dequantize_fp4`, bit for
     bit: every one of the 16 codes (the subnormal 0.5 among them) at scales from 2^-30 to 2^4 (past 2^1, where
@@ -158,6 +185,11 @@ CASES = {
     "fp4-moe-pairs-ragged": (check_fp4_moe, dict(T=3, D=160, I=80, E=4, top_k=2, per_pair=True)),
     # the decode bit for bit, in fp32 (a code to a 32-bit operation) and bf16 (two codes a 32-bit operation, bf16
     # multiplications); and both paths' products in bf16
+    # a decode step's pairs and the FP8 shared expert in two launches: whole tiles (V4's 128-column scale blocks
+    # shrunk to 64), and ragged dims with V4.1's 32x32 blocks
+    "fp4-moe-with-shared": (check_fp4_moe_with_shared, dict(T=1, D=128, I=64, E=5, top_k=3, block=(64, 64))),
+    "fp4-moe-with-shared-ragged-bf16": (check_fp4_moe_with_shared, dict(T=2, D=96, I=48, E=4, top_k=2, block=(32, 32),
+                                                                       dtype=torch.bfloat16)),
     "fp4-decode-fp32": (check_fp4_dequantize, dict(dtype=torch.float32)),
     "fp4-decode-bf16": (check_fp4_dequantize, dict(dtype=torch.bfloat16)),
     "fp4-moe-bf16-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3, dtype=torch.bfloat16)),

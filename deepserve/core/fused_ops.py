@@ -161,6 +161,13 @@ class FusedOps:
         the routed and the shared experts apart and adds them."""
         return None
 
+    def quantized_moe_with_shared(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13, w2, limit: float,
+                                  shared_w13, shared_w2) -> Tensor | None:
+        """Optional fused op: `moe_with_shared` with every weight kept as stored (`QuantizedWeight`s: the routed
+        stacks w13 [E, 2I, D] and w2 [E, D, I], the shared expert's stacked gate/up [2I, D] and down [D, I]).
+        None (the default) when the backend has no kernel for these; the model runs the parts apart."""
+        return None
+
     def compress_decode(
         self, kv: Tensor, gate: Tensor, position_bias: Tensor, positions: Tensor, slot: Tensor, tables: Tensor,
         open_kv: Tensor, open_gate: Tensor, prev_kv: Tensor | None, prev_gate: Tensor | None, rows: Tensor,

@@ -12,6 +12,7 @@ from deepserve.core.config import HASH_MOE, ModelConfig
 from deepserve.core.interfaces import Backend
 
 from .common import linear, stored
+from .quant import QuantizedWeight
 
 
 class Router(nn.Module):
@@ -73,6 +74,17 @@ class SharedExpert(nn.Module):
         (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
         return group.weight if a == 0 and b == c and d == group.weight.shape[0] else None
 
+    def stored_gate_up(self) -> QuantizedWeight | None:
+        """`gate_up_weight` for gate and up kept as stored and stacked by `SharedInput`: their data and scales as
+        one [2I, D] stored weight (no copy); else None."""
+        group = self.gate_proj.shared
+        if group is None or group.scale is None or self.up_proj.shared is not group or len(group.spans) != 2:
+            return None
+        (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
+        if a != 0 or b != c or d != group.weight.shape[0]:
+            return None
+        return QuantizedWeight(group.weight, group.scale, group.block)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
@@ -98,6 +110,12 @@ class MoE(nn.Module):
             return combine_in_expert_order(pair_outputs, ids, weights, x.dtype) + self.shared_experts(x)
         w13, w2 = stored(self.experts, "gate_up_proj"), stored(self.experts, "down_proj")
         if w13 is not None and w2 is not None:  # FP4/FP8 experts as stored: the backend dequantizes where it must
+            shared_w13, shared_w2 = self.shared_experts.stored_gate_up(), self.shared_experts.down_proj.stored()
+            if shared_w13 is not None and shared_w2 is not None:  # the shared expert stored too: one pass, if any
+                fused = self.backend.quantized_moe_with_shared(x, ids, weights, w13, w2, self.limit, shared_w13,
+                                                               shared_w2)
+                if fused is not None:
+                    return fused
             routed = self.backend.quantized_moe_experts(x, ids, weights, w13, w2, self.limit)
             return routed + self.shared_experts(x)
         shared_w13 = self.shared_experts.gate_up_weight()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deepserve.model import quant
-from test_quant_triton import (check_act_quant, check_fp4_dequantize, check_fp4_moe, check_fp8_linear, rel_err,
-                               stored_fp8)
+from test_quant_triton import (check_act_quant, check_fp4_dequantize, check_fp4_moe, check_fp4_moe_with_shared,
+                               check_fp8_linear, rel_err, stored_fp8)
 
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
@@ -153,3 +153,9 @@ def test_deep_gemm_fp8_where_it_loads():
 def test_fp4_decode_bitwise(kernels, dtype):
     # the FP4 kernels' decode on the device: bf16 multiplies of a subnormal (code 1, 0.5) must not flush it
     check_fp4_dequantize(kernels, "cuda", dtype)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_fp4_moe_with_shared_flash_shapes(kernels, T):
+    # a decode step of one and two sequences: V4-Flash's experts (16 per layer here) and its FP8 shared expert
+    check_fp4_moe_with_shared(kernels, "cuda", T, 4096, 2048, 16, 6, (128, 128), dtype=torch.bfloat16)

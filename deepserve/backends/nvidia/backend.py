@@ -264,6 +264,27 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
                                                         w2.scale, limit)
         return self.moe_experts(x, topk_ids, topk_weights, w13.dequantize(x.dtype), w2.dequantize(x.dtype), limit)
 
+    def quantized_moe_with_shared(self, x, topk_ids, topk_weights, w13, w2, limit, shared_w13, shared_w2):
+        """`fp4_moe.fp4_moe_with_shared` for a decode step's few pairs (at most `PAIR_GEMV_PAIRS`): FP4 routed
+        experts in words of eight codes, the shared expert FP8 with e8m0 scales in blocks of at least 32 columns
+        and the routed experts' shapes; else None (the routed kernels, then the shared expert's projections)."""
+        fp4 = self.kernels.fp4_moe if self.kernels is not None else None
+        if (fp4 is None or self.invariant or not self._here(x)
+                or x.dtype not in (torch.bfloat16, torch.float16)
+                or not 0 < topk_ids.numel() <= fp4.PAIR_GEMV_PAIRS
+                or not (w13.fp4 and w2.fp4) or w13.data.shape[-1] % 4 or w2.data.shape[-1] % 4
+                or shared_w13.fp4 or shared_w2.fp4 or shared_w13.block != shared_w2.block
+                or shared_w13.data.dtype != torch.float8_e4m3fn or shared_w2.data.dtype != torch.float8_e4m3fn
+                or any(s.scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
+                       for s in (shared_w13, shared_w2))
+                or shared_w13.block[1] < 32 or shared_w13.block[1] & (shared_w13.block[1] - 1)
+                or tuple(shared_w13.data.shape) != (w13.data.shape[1], x.shape[1])
+                or tuple(shared_w2.data.shape) != (x.shape[1], w13.data.shape[1] // 2)):
+            return None
+        return fp4.fp4_moe_with_shared(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data, w2.scale, limit,
+                                       shared_w13.data, shared_w13.scale, shared_w2.data, shared_w2.scale,
+                                       shared_w13.block)
+
     def _dequantized(self, weight, dtype, fp4: bool):
         """A stored weight's values in `dtype`: FP4 by the kernels' decode (one launch, bitwise the same), else
         `QuantizedWeight.dequantize`."""
