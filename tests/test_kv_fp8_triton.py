@@ -352,6 +352,10 @@ CASES = {
     "attention-short-block": (check_sparse_mqa_packed, dict(T=4, H=3, d=64, rope=16, N=20, K=70, splits=2)),
     # a lone query (a batch-1 decode step) in parts: the case the H200 run found the check itself broken for
     "attention-one-query": (check_sparse_mqa_packed, dict(T=1, H=4, d=64, rope=16, N=30, K=90, splits=4)),
+    # V4's rows (the non-RoPE dims in whole 64-dim scale blocks, then 64 RoPE dims): decoded a block at a time
+    "attention-v4-rows": (check_sparse_mqa_packed, dict(T=3, H=4, d=512, rope=64, N=40, K=70)),
+    "attention-v4-rows-bf16-split": (check_sparse_mqa_packed, dict(T=2, H=16, d=256, rope=64, N=60, K=100,
+                                                                   dtype=torch.bfloat16, splits=2)),
     # indexer: per-query table rows of a paged step; one table row per query (the fixed-shape step); Di 16 (one
     # short scale block, the tiny model's)
     "index-scores-query-rows": (check_packed_index_scores, dict(T=7, B=3, Hi=4, Di=64, P=3, num_pages=9, rpp=16)),

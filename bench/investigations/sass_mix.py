@@ -2,7 +2,7 @@
 ships ptxas and nvdisasm), find its loops in the SASS, and count each loop's instructions by the pipe that runs
 them, per byte of weights the loop streams.
 
-    python bench/investigations/sass_mix.py [--cases fp4_pair,fp4_grouped,fp8_gemv,fp8_prefill,bf16_gemv] [--out FILE]
+    python bench/investigations/sass_mix.py [--cases fp4_pair,fp4_grouped,...] [--out FILE]
     PYTHONPATH=/tmp/old python bench/investigations/sass_mix.py ...    # another tree's kernels
 
 Why: a decode step's projections should be bound by the bytes they read (3.35 TB/s on an H100 SXM: about 15 bytes
@@ -128,7 +128,7 @@ def bound(ops: collections.Counter, bytes_per_iteration: int, num_warps: int, fl
 def cases() -> dict:
     """name -> (kernel, signature, constexprs, warps, stages, bytes of weights a CTA's loop iteration reads[, its
     tensor-core FLOPs])."""
-    from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear, gemv
+    from deepserve.backends.nvidia.triton_ops import attention, fp4_moe, fp8_linear, gemv, packed_kv
 
     i32, fp32 = "i32", "fp32"
     pair = dict(BLOCK_N=64, BLOCK_K=128)
@@ -152,7 +152,29 @@ def cases() -> dict:
     else:
         fp4 = {name: (fp4_moe._fp4_gate_up_swiglu_kernel.fn, fp4_sig, {**grouped, "PER_PAIR": per_pair, "EVEN": True}, 4, 3,
                       fp4_bytes) for name, per_pair in (("fp4_pair", True), ("fp4_grouped", False))}
+    attn = {"sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "pos_ptr": "*i64",
+            "freq_ptr": "*fp32", "K": i32, "H": i32, "scale_log2": fp32, "per_split": i32, "half": i32,
+            "stride_qt": i32, "stride_qh": i32}
+    strides = {"stride_it": i32, "stride_ot": i32, "stride_oh": i32, "stride_pos": i32}
+    # a decode step's sparse attention at V4-Flash's widths (512-dim rows, 64 heads a program), a key block an
+    # iteration: the FP8 KV cache's packed rows (592 bytes a row, 583 of them read) against bf16 rows (1,024)
+    packed = {"D": 512, "NOPE": 448, "SCALES_AT": 576, "BLOCK_H": 64, "BLOCK_N": 32, "PRECISION": "ieee",
+              "SPLITS": 1, "ROPE": True}
+    if "BLOCKS" in packed_kv._sparse_mqa_packed_kernel.arg_names:
+        packed["BLOCKS"] = True
+    table = {
+        "fp8kv_attention": (packed_kv._sparse_mqa_packed_kernel,
+                            {"q_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "bytes_ptr": "*u8", "rope_ptr": "*bf16",
+                             "idx_ptr": "*i64", **attn, "stride_row": i32, **strides},
+                            packed, 8, 1, 32 * 583),
+        "bf16_attention": (attention._sparse_mqa_kernel,
+                           {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i64", **attn, "stride_kvn": i32,
+                            **strides},
+                           {"D": 512, "BLOCK_H": 64, "BLOCK_N": 64, "PRECISION": "ieee", "SPLITS": 1, "ROPE": True},
+                           8, 2, 64 * 1024),
+    }
     return {
+        **table,
         **fp4,
         "fp8_gemv": (fp8_linear._fp8_linear_kernel,
                      {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32",
@@ -184,7 +206,8 @@ def measure(names: list[str]) -> dict:
     out = {}
     for name in names:
         fn, sig, const, warps, stages, nbytes, *flops = table[name]
-        found = loops(compile_sass(fn, sig, const, warps, stages, odd=("top_k",) if flops else ("M", "top_k")))
+        odd = ("top_k",) if flops else ("M", "top_k")
+        found = loops(compile_sass(fn, sig, const, warps, stages, odd=odd))
         if not found:
             raise SystemExit(f"{name}: no loop found in its SASS")
         # the loops that stream the weights: the largest, and any within a tenth of it (fp4_pair: gate and up)
@@ -198,7 +221,8 @@ def measure(names: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="fp4_pair,fp4_grouped,fp8_gemv,fp8_prefill,bf16_gemv")
+    ap.add_argument("--cases", default="fp4_pair,fp4_grouped,fp8_gemv,fp8_prefill,bf16_gemv,fp8kv_attention,"
+                                       "bf16_attention")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = measure(args.cases.split(","))

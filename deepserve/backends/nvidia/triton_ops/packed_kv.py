@@ -43,21 +43,48 @@ def _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride, dims, NOPE: tl.c
 
 
 @triton.jit
+def _fp8_rows_in_blocks(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride, NOPE: tl.constexpr,
+                        SCALES_AT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """`_fp8_rows` for V4's rows (NOPE in whole 64-dim scale blocks, then 64 RoPE dims), as DTYPE: a row is D / 64
+    blocks of 64 dims, each FP8 block's codes times its one scale byte (loaded once a block, not once a dim), the
+    last block the bf16 RoPE dims; [BLOCK_N, D / 64, 64] tiles, contiguous in each block."""
+    B: tl.constexpr = D // 64
+    base = tl.where(ok, rows, 0).to(tl.int64)[:, None, None] * stride
+    block = tl.arange(0, B)[None, :, None]
+    j = tl.arange(0, 64)[None, None, :]
+    fp8 = block < NOPE // 64
+    row_ok = ok[:, None, None]
+    codes = tl.load(codes_ptr + base + block * 64 + j, mask=row_ok & fp8, other=0.0)
+    bits = tl.load(bytes_ptr + base + SCALES_AT + block, mask=row_ok & fp8, other=0)
+    rope = tl.load(rope_ptr + base // 2 + NOPE // 2 + j, mask=row_ok, other=0.0)
+    if DTYPE == tl.bfloat16:  # codes and a power of two: the product is exact in bf16, as in fp32 then rounded
+        values = codes.to(tl.bfloat16) * (bits.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+    else:
+        values = (codes.to(tl.float32) * (bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)).to(DTYPE)
+    return tl.reshape(tl.where(fp8, values, rope.to(DTYPE)), (BLOCK_N, D))
+
+
+@triton.jit
 def _sparse_mqa_packed_kernel(
     q_ptr, codes_ptr, bytes_ptr, rope_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr,
     K, H, scale_log2, per_split, half,
     stride_qt, stride_qh, stride_row, stride_it, stride_ot, stride_oh, stride_pos,
     D: tl.constexpr, NOPE: tl.constexpr, SCALES_AT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    """`attention._sparse_mqa_kernel` with each block of keys read from packed rows (`_fp8_rows`)."""
+    """`attention._sparse_mqa_kernel` with each block of keys read from packed rows (`_fp8_rows`; BLOCKS: V4's
+    layout, `_fp8_rows_in_blocks`)."""
     t, split, heads, head_ok, dims, q, m, denom, acc, lo, hi = start_part(q_ptr, sink_ptr, H, K, per_split, stride_qt,
                                                                            stride_qh, D, BLOCK_H)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         rows = tl.load(idx_ptr + t * stride_it + cols, mask=cols < hi, other=-1)
         ok = rows >= 0
-        keys = _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride_row, dims, NOPE, SCALES_AT).to(q.dtype)
+        if BLOCKS:
+            keys = _fp8_rows_in_blocks(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride_row, NOPE, SCALES_AT, D,
+                                       BLOCK_N, q.dtype)
+        else:
+            keys = _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride_row, dims, NOPE, SCALES_AT).to(q.dtype)
         m, denom, acc = online_block(q, keys, ok, m, denom, acc, scale_log2, PRECISION)
     finish_part(acc, m, denom, out_ptr, part_ptr, stat_ptr, pos_ptr, freq_ptr, t, split, heads, head_ok, dims, H,
                 half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
@@ -101,7 +128,8 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
         sinks.float().contiguous(), out, part, stat, positions, freq, K, H, scale * LOG2E, per_split, half,
         q.stride(0), q.stride(1), width, indices.stride(0), out.stride(0), out.stride(1), positions.stride(0),
         D=d, NOPE=nope, SCALES_AT=nope + 2 * (d - nope), BLOCK_H=block_h, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), SPLITS=splits, ROPE=rope is not None, num_warps=tiles["num_warps"],
+        PRECISION=dot_precision(q.dtype), SPLITS=splits, ROPE=rope is not None,
+        BLOCKS=nope % FP8_BLOCK == 0 and d - nope == FP8_BLOCK and width % 2 == 0, num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
     if splits > 1:
