@@ -26,7 +26,6 @@ import argparse
 import collections
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,26 +55,15 @@ BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
                  odd: tuple = ("M", "top_k")) -> str:
-    """The kernel's SASS for sm_90a (disassembled by the nvdisasm Triton ships). As the JIT specializes a launch,
-    every pointer is taken as 16-byte aligned and every integer as a multiple of 16 (V4-Flash's dims and strides
-    are), except those named in `odd` (a decode step's row count, top-k)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """The kernel's SASS for sm_90a (`deepserve.backends.nvidia.cpu_compile`: pointers 16-byte aligned and
+    integers multiples of 16 as the JIT specializes them, but those in `odd`)."""
+    import importlib.util
 
-    while not isinstance(fn, triton.JITFunction):  # (an autotuned or heuristic kernel's own function)
-        fn = fn.fn
-    sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    names = list(fn.arg_names)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
-             if (v.startswith("*") or v == "i32") and k not in odd}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    cubin = Path("/tmp") / f"sass_mix_{fn.__name__}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    # this tree's helper by its path (under PYTHONPATH=/tmp/old the package is another tree's, maybe without it)
+    spec = importlib.util.spec_from_file_location("cpu_compile", ROOT / "deepserve/backends/nvidia/cpu_compile.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.sass(helper.compile_for_gpu(fn, signature, constexprs, num_warps, num_stages, odd))
 
 
 def loops(sass: str) -> list[collections.Counter]:
