@@ -5,7 +5,8 @@ compiler rejects with anything but a resource error (Triton 3.6 failed the FP4 e
 columns on 4 warps: "Illegal shared layout", a RuntimeError) is not skipped by the autotuner: the call fails, on a
 user's first long prefill. So every configuration of the FP4 expert kernels is compiled here at the block rows
 the engine gives them (16: mma, 64 and 128: wgmma; one block a pair), with the fixed tiles of the fused
-pairs-and-shared-expert kernels and of the packed-row attention. Compiling only, in a child process (the CPU
+pairs-and-shared-expert kernels, of the packed-row attention and indexer scores, and of the FP4 dequantization.
+Compiling only, in a child process (the CPU
 suite's other Triton checks run under the interpreter, chosen before triton is first imported).
 """
 
@@ -68,6 +69,14 @@ def cases() -> dict:
         const = dict(D=512, NOPE=448, SCALES_AT=576, BLOCK_H=heads, BLOCK_N=32, PRECISION="ieee", SPLITS=1,
                      ROPE=True, BLOCKS=True)
         out[f"fp8kv-attention-h{heads}"] = (packed_kv._sparse_mqa_packed_kernel, attention, const, 8, 1)
+    index = {"q_ptr": "*bf16", "w_ptr": "*fp32", "keys_ptr": "*u8", "keys_words_ptr": "*i32", "count_ptr": "*i32",
+             "table_ptr": "*i64", "qrow_ptr": "*i64", "out_ptr": "*fp32", "Hi": I32, "width": I32, "stride_qt": I32,
+             "stride_qh": I32, "stride_wt": I32, "stride_key": I32, "stride_tt": I32, "stride_ot": I32}
+    const = dict(DI=128, BLOCK_HI=64, BLOCK_N=64, PRECISION="ieee", RPP=64, QROWS=True, WORDS=True)
+    out["fp4-index-scores-words"] = (packed_kv._packed_index_scores_kernel, index, const, 4, 2)
+    dequantize = {"w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "N": I32, "K": I32, "stride_wn": I32,
+                  "stride_sn": I32, "stride_on": I32}
+    out["fp4-dequantize"] = (fp4_moe._dequantize_kernel, dequantize, dict(BLOCK_N=32, BLOCK_K=64), 4, 3)
     return out
 
 
@@ -101,7 +110,7 @@ def _names() -> list[str]:
         for suffix in ("m16-pairs", "m16", "m64", "m128"):
             names += [f"fp4-gate-up-{bn}x{bk}-w{warps}-{suffix}", f"fp4-down-{bn}x{bk}-w{warps}-{suffix}"]
     names += [f"shared-{k}-k{bk}" for bk in (128, 64, 32) for k in ("gate-up", "down")]
-    return names + ["fp8kv-attention-h16", "fp8kv-attention-h64"]
+    return names + ["fp8kv-attention-h16", "fp8kv-attention-h64", "fp4-index-scores-words", "fp4-dequantize"]
 
 
 def test_every_case_is_named(compiled):
