@@ -444,6 +444,14 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return out.view(*lead, N, K)
 
 
+def _fp4_block_m(pairs: int, experts: int) -> int:
+    """Rows per block: the bf16 experts' choice by pairs (`moe._block_m`), or more, up to 128, so that an expert's
+    average rows fit one block: each block decodes its expert's weight tiles again, so where the bf16 kernels
+    take two 16-row blocks (a batch-64 step over 16 experts: 24 rows each) the FP4 ones decode once in 32."""
+    per_expert = -(-pairs // max(experts, 1))
+    return max(_block_m(pairs), min(128, max(16, triton.next_power_of_2(per_expert))))
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """Packed codes [..., K/2] (int8, uint8 or float4_e2m1fn_x2) as int32 words [..., K/8], eight codes a word."""
     return packed.view(torch.uint8).contiguous().view(torch.int32)
@@ -488,7 +496,7 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         slot_pair = block_expert  # (not read)
         h = torch.empty((pairs, I), dtype=x.dtype, device=x.device)
     else:
-        bm = tiles["block_m"] if tiles and "block_m" in tiles else _block_m(pairs)
+        bm = tiles["block_m"] if tiles and "block_m" in tiles else _fp4_block_m(pairs, E)
         align = _align_small if pairs <= SMALL_ALIGN_PAIRS and E <= 1024 else _align
         slot_pair, block_expert, num_blocks = align(topk_ids, E, bm)
         h = torch.empty((num_blocks * bm, I), dtype=x.dtype, device=x.device)
