@@ -42,7 +42,7 @@ SHARED_DOWN = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "ids_ptr": "*i
 
 def cases() -> dict:
     """name -> (kernel, signature, constexprs, num_warps, num_stages)."""
-    from deepserve.backends.nvidia.triton_ops import fp4_moe, packed_kv
+    from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear, packed_kv
 
     out = {}
     for config in fp4_moe.FP4_CONFIGS:
@@ -77,6 +77,14 @@ def cases() -> dict:
     dequantize = {"w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "N": I32, "K": I32, "stride_wn": I32,
                   "stride_sn": I32, "stride_on": I32}
     out["fp4-dequantize"] = (fp4_moe._dequantize_kernel, dequantize, dict(BLOCK_N=32, BLOCK_K=64), 4, 3)
+    fp8 = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32",
+           "out_ptr": "*bf16", "count_ptr": "*i32", "M": I32, "N": I32, "K": I32, "chunk": I32, "stride_xm": I32,
+           "stride_xg": I32, "stride_xsm": I32, "stride_wn": I32, "stride_sn": I32, "stride_sk": I32,
+           "stride_yp": I32, "stride_yg": I32, "stride_ym": I32, "stride_og": I32, "stride_om": I32}
+    for rows, warps, stages in ((64, 4, 4), (128, 8, 3)):  # FP8 activations split over K, summed on arrival
+        const = dict(BR=128, BC=128, E8M0=True, ACT_FP8=True, SPLIT=4, REDUCE=True, PRECISION="ieee",
+                     BLOCK_M=rows, BLOCK_N=128, BLOCK_K=128)
+        out[f"fp8-act-split-m{rows}"] = (fp8_linear._fp8_linear_kernel, fp8, const, warps, stages)
     return out
 
 
@@ -110,7 +118,8 @@ def _names() -> list[str]:
         for suffix in ("m16-pairs", "m16", "m64", "m128"):
             names += [f"fp4-gate-up-{bn}x{bk}-w{warps}-{suffix}", f"fp4-down-{bn}x{bk}-w{warps}-{suffix}"]
     names += [f"shared-{k}-k{bk}" for bk in (128, 64, 32) for k in ("gate-up", "down")]
-    return names + ["fp8kv-attention-h16", "fp8kv-attention-h64", "fp4-index-scores-words", "fp4-dequantize"]
+    return names + ["fp8kv-attention-h16", "fp8kv-attention-h64", "fp4-index-scores-words", "fp4-dequantize",
+                    "fp8-act-split-m64", "fp8-act-split-m128"]
 
 
 def test_every_case_is_named(compiled):

@@ -175,6 +175,10 @@ CASES = {
     "fp8-decode-grouped-counters": (check_fp8_linear, dict(M=2, N=64, K=384, block=(32, 32), groups=3,
                                                            counters=True)),
     "fp8-prefill": (check_fp8_linear, dict(M=40, N=64, K=300, act_fp8=True)),
+    # FP8 activations at a decode batch past 16 rows: one output tile, K split over programs, parts added in
+    # the kernel (and, without counters, by torch)
+    "fp8-act-split-k-counters": (check_fp8_linear, dict(M=40, N=64, K=512, act_fp8=True, counters=True)),
+    "fp8-act-split-k-grouped": (check_fp8_linear, dict(M=20, N=40, K=256, block=(32, 32), groups=2, act_fp8=True)),
     "fp8-prefill-grouped-32x32": (check_fp8_linear, dict(M=20, N=40, K=96, block=(32, 32), groups=2, act_fp8=True)),
     "act-quant-128": (check_act_quant, dict(M=33, K=300, group=128)),
     "act-quant-32": (check_act_quant, dict(M=5, K=64, group=32)),

@@ -2,8 +2,8 @@
 
 Two modes of one kernel, by rows:
 
-* Prefill (`ACT_FP8`): each row of x is quantized to FP8 per group of BLOCK_K inputs on the fly (`act_quant`, one
-  launch: a power-of-two scale per group, `2^ceil(log2(amax / 448))`, as DeepSeek's `act_quant` with
+* Prefill and batches past GEMV_ROWS (`ACT_FP8`): each row of x is quantized to FP8 per group of BLOCK_K inputs
+  on the fly (`act_quant`, one launch: a power-of-two scale per group, `2^ceil(log2(amax / 448))`, as DeepSeek's `act_quant` with
   `scale_fmt: ue8m0`; quantized once, not once per column tile), the FP8 tiles multiply on Hopper's FP8 tensor
   cores, and each K step's product is promoted to fp32 times the row's activation scale and the weight block's. BLOCK_K divides the weight block's columns (128 for V4, 32 for V4.1), so
   one weight scale serves a K step.
@@ -169,7 +169,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     s, e8m0 = _scales(scale)
     grid_n, grid_m = triton.cdiv(N, bn), triton.cdiv(M, bm)
     steps = triton.cdiv(K, bk)
-    split = 1 if act_fp8 else max(1, min(steps, triton.cdiv(2 * SMS, grid_n * grid_m * groups)))
+    # K split over programs where the output tiles are too few to fill the GPU: a decode step's W8A16 product, and
+    # FP8 activations at a batch of 17-64 rows (one 64-row tile: wq_a's 1,024 columns were 8 programs, each
+    # streaming an eighth of the weight); at least two K steps a part there
+    programs = grid_n * grid_m * groups
+    split = max(1, min(steps // 2 if act_fp8 else steps, triton.cdiv(2 * SMS, programs)))
     chunk = triton.cdiv(steps, split) * bk
     split = triton.cdiv(K, chunk)
     shape = (M, groups, N) if grouped else (M, N)
