@@ -304,15 +304,19 @@ PAIR_GEMV_PAIRS = 16
 # -- a decode step's few pairs and the shared expert (FP8, as stored) in two launches ----------------------------
 
 @triton.jit
-def _pair_or_shared(ids_ptr, pairs, top_k):
+def _pair_or_shared(ids_ptr, pairs, top_k, N, BLOCK_N: tl.constexpr):
     """Block b < pairs: routed pair b = (token, j) of expert ids[b]; else token b - pairs's shared expert. Returns
-    (is routed, token, its row of the [T, top_k + 1] buffers: j for a pair, top_k for the shared expert, expert)."""
+    whether it is routed, the token and its row of the [T, top_k + 1] buffers (j for a pair, top_k for the shared
+    expert) as 16 rows of which the first is real (`ok`: a tensor-core dot's least), the expert, and this
+    program's BLOCK_N columns of N and which exist."""
     block = tl.program_id(0)
     routed = block < pairs
     token = tl.where(routed, block // top_k, block - pairs)
-    row = token * (top_k + 1) + tl.where(routed, block % top_k, top_k)
+    i = tl.arange(0, 16)
+    rows = token * (top_k + 1) + tl.where(routed, block % top_k, top_k) + 0 * i
     expert = tl.load(ids_ptr + tl.minimum(block, pairs - 1)).to(tl.int64)
-    return routed, token, row, expert
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return routed, token + 0 * i, rows, i == 0, expert, n, n < N
 
 
 @triton.jit
@@ -323,20 +327,15 @@ def _pairs_shared_gate_up_kernel(
     EVEN: tl.constexpr,
 ):
     """h[row] = SwiGLU of the block's token through its routed expert (FP4) or the shared one (FP8), BLOCK_N of I."""
-    routed, token, row, expert = _pair_or_shared(ids_ptr, pairs, top_k)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
-    i = tl.arange(0, 16)
-    ok = i == 0  # one row, padded to the 16 a tensor-core dot needs
+    routed, tokens, rows, ok, expert, n, n_ok = _pair_or_shared(ids_ptr, pairs, top_k, I, BLOCK_N)
     if routed:
-        gate, up = _gate_up(x_ptr, token + 0 * i, stride_xt, ok, w_ptr + expert * stride_we,
-                            s_ptr + expert * stride_se, n, n_ok, D, I, stride_wn, stride_sn, 0, 1, 1, False, 16,
-                            BLOCK_N, BLOCK_K, PRECISION, EVEN)
+        gate, up = _gate_up(x_ptr, tokens, stride_xt, ok, w_ptr + expert * stride_we, s_ptr + expert * stride_se, n,
+                            n_ok, D, I, stride_wn, stride_sn, 0, 1, 1, False, 16, BLOCK_N, BLOCK_K, PRECISION, EVEN)
     else:
-        gate, up = _gate_up(x_ptr, token + 0 * i, stride_xt, ok, sw_ptr, ss_ptr, n, n_ok, D, I, stride_swn,
-                            stride_ssn, stride_ssk, BR, BC, True, 16, BLOCK_N, BLOCK_K, PRECISION, EVEN)
+        gate, up = _gate_up(x_ptr, tokens, stride_xt, ok, sw_ptr, ss_ptr, n, n_ok, D, I, stride_swn, stride_ssn,
+                            stride_ssk, BR, BC, True, 16, BLOCK_N, BLOCK_K, PRECISION, EVEN)
     h = _swiglu(gate, up, limit)
-    tl.store(h_ptr + (row + 0 * i).to(tl.int64)[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
 
@@ -348,12 +347,7 @@ def _pairs_shared_down_kernel(
     EVEN: tl.constexpr,
 ):
     """y[row] = the routing weight x W2_e h[row] (routed), or W2_shared h[row], for BLOCK_N of the D columns."""
-    routed, token, row, expert = _pair_or_shared(ids_ptr, pairs, top_k)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < D
-    i = tl.arange(0, 16)
-    ok = i == 0
-    rows = row + 0 * i
+    routed, _, rows, ok, expert, n, n_ok = _pair_or_shared(ids_ptr, pairs, top_k, D, BLOCK_N)
     if routed:
         acc = _down(h_ptr, rows, stride_hm, ok, w_ptr + expert * stride_we, s_ptr + expert * stride_se, n, n_ok, I,
                     stride_wn, stride_sn, 0, 1, 1, False, 16, BLOCK_N, BLOCK_K, PRECISION, EVEN)
