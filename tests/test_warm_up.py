@@ -120,22 +120,24 @@ def test_warm_up_runs_every_step_kind_leaves_nothing_and_changes_no_output(demo_
 
 def test_chunk_lengths_meet_every_kernel_variant_a_step_size_picks():
     """Every class of step size the NVIDIA kernels tell apart (Triton's == 1 and divisible-by-16
-    specializations; the MoE's rows per block, one-program alignment and DeepGEMM by (token, expert) pairs; `gemv`
-    and the FP8 GEMV by rows) that a budget reaches, a warm-up length reaches, at V4's top-6 and others."""
+    specializations; the MoE's rows per block, one-program alignment and DeepGEMM by (token, expert) pairs, the FP4
+    experts' rows per block by pairs per expert and their one block a pair; `gemv` and the FP8 GEMV by rows) that a
+    budget reaches, a warm-up length reaches, at V4's top-6 of 256 experts and others."""
     from deepserve.backends.nvidia.backend import DEEP_GEMM_MIN_PAIRS
-    from deepserve.backends.nvidia.triton_ops import fp8_linear, gemv, moe
+    from deepserve.backends.nvidia.triton_ops import fp4_moe, fp8_linear, gemv, moe
 
-    def variant(tokens: int, top_k: int) -> tuple:
+    def variant(tokens: int, top_k: int, experts: int) -> tuple:
         pairs = tokens * top_k
         return (tokens == 1, tokens % 16 == 0, moe._block_m(pairs), pairs <= moe.SMALL_ALIGN_PAIRS,
-                pairs >= DEEP_GEMM_MIN_PAIRS, tokens <= gemv.MAX_ROWS, tokens <= fp8_linear.GEMV_ROWS)
+                pairs >= DEEP_GEMM_MIN_PAIRS, tokens <= gemv.MAX_ROWS, tokens <= fp8_linear.GEMV_ROWS,
+                fp4_moe._fp4_block_m(pairs, experts), pairs <= fp4_moe.PAIR_GEMV_PAIRS)
 
-    for top_k in (1, 2, 6, 8, 16):
+    for top_k, experts in ((1, 8), (2, 16), (6, 16), (6, 256), (8, 384), (16, 64)):
         for budget in (1, 2, 17, 100, 511, 2731, 3000, 8192, 16384, 20000):
             lengths = chunk_lengths(budget)
             assert max(lengths) == budget and min(lengths) == 1
-            assert {variant(n, top_k) for n in lengths} == {variant(n, top_k) for n in range(1, budget + 1)}, \
-                (top_k, budget)
+            assert {variant(n, top_k, experts) for n in lengths} == \
+                {variant(n, top_k, experts) for n in range(1, budget + 1)}, (top_k, experts, budget)
 
 
 def test_the_option_and_its_default():

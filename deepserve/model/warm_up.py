@@ -47,12 +47,14 @@ def wanted(option: bool | None, device) -> bool:
 
 def chunk_lengths(max_tokens: int) -> list[int]:
     """Prompt-chunk lengths, at most `max_tokens`, that meet every kernel variant a step's size picks: 1 (an int
-    argument equal to 1), 2 and 3 (a few rows: `gemv`, few-query attention), then at each power of two from 16
+    argument equal to 1), 2 and 3 (a few rows: `gemv`, few-query attention), 4, 5, 8 and 9 (where the few-row
+    kernels end: `gemv`'s 4 rows; the FP4 experts' block a pair, up to 16 pairs: 8 tokens at top-2, 5 at
+    top-3), then at each power of two from 16
     that length and the one below it (divisible by 16 and not), and at the top the longest of each class. The
     MoE's (token, expert) pairs double from one power to the next, and its buckets (rows per block; the
     one-program alignment; DeepGEMM from 16,384 pairs) span at least twice as many pairs, so each bucket the
     budget reaches gets a length of both classes (tests/test_warm_up.py checks this against the NVIDIA kernels)."""
-    lengths = {1, 2, 3, max_tokens, max_tokens - 1, max_tokens - max_tokens % 16}
+    lengths = {1, 2, 3, 4, 5, 8, 9, max_tokens, max_tokens - 1, max_tokens - max_tokens % 16}
     n = 16
     while n <= max_tokens:
         lengths |= {n - 1, n}
