@@ -20,7 +20,8 @@ measured it: `LLM(model=DIR, dtype="bfloat16", max_num_seqs=256, max_model_len=1
   1-token generate) / 127 on prompts of 512 tokens, from the second call of each shape (the first is recorded too),
   against bench/gpu.py's CUDA-graph step (`graph_decode`: the model over a paged cache, no engine) in the same
   process, and transformers' `DeepseekV4ForCausalLM.generate` at batch 1 by the same definition.
-- `server`: `deepserve serve` in a child process; at concurrency 1, 64 and 256, asyncio clients stream
+- `server`: `deepserve serve` in a child process (the engine in-process, then with `--engine-process` at the
+  concurrencies past one); at concurrency 1, 64 and 256, asyncio clients stream
   `/v1/completions` (token-id prompts of 512, 128 tokens each, two requests one after another per client) after a
   first burst of the same size; tokens/s and the median time to first token, against `LLM.generate` of the same
   prompts (two calls of `concurrency` prompts) in this process after the server has stopped.
@@ -359,17 +360,24 @@ async def part_server(ckpt: Path, plan: Plan, rec: Record, work: Path) -> None:
         return prompts(c, plan, vocab, 10_000 * c), [prompts(c, plan, vocab, 10_000 * c + 1 + r)
                                                      for r in range(plan.rounds)]
 
-    rec["server"] = {}
-    async with Server(ckpt, plan, work / "server.log") as server:
-        rec["server_ready_seconds"] = server.ready_seconds
-        for c in plan.batches:
-            first, timed = rounds_of(c)
-            row = {"first": await burst(server, by_client([first]), plan.output_len),
-                   "timed": await burst(server, by_client(timed), plan.output_len)}
-            rec["server"][str(c)] = row
-            print(f"server, concurrency {c}: {row['timed']['tok_s']:.0f} tok/s, median TTFT "
-                  f"{row['timed']['ttft_median_s']:.3f} s", flush=True)
-            rec.save()
+    # the engine on a thread of the server's process (the default), then in a process of its own behind the
+    # front (`--engine-process`, as vLLM's AsyncLLM runs it: the server's Python no longer shares the engine's
+    # GIL), at the concurrencies past one
+    variants = (("server", (), plan.batches),
+                ("server_engine_process", ("--engine-process",), tuple(c for c in plan.batches if c > 1)))
+    for key, flags, batches in variants:
+        rec[key] = {}
+        async with Server(ckpt, plan, work / f"{key}.log", flags=flags) as server:
+            rec[f"{key}_ready_seconds"] = server.ready_seconds
+            for c in batches:
+                first, timed = rounds_of(c)
+                row = {"first": await burst(server, by_client([first]), plan.output_len),
+                       "timed": await burst(server, by_client(timed), plan.output_len)}
+                rec[key][str(c)] = row
+                print(f"{key}, concurrency {c}: {row['timed']['tok_s']:.0f} tok/s, median TTFT "
+                      f"{row['timed']['ttft_median_s']:.3f} s", flush=True)
+                rec.save()
+        free_device_memory()
     free_device_memory()
     llm = LLM(str(ckpt), **plan.llm_options())
     params = SamplingParams(temperature=0, max_tokens=plan.output_len, ignore_eos=True)
@@ -526,13 +534,14 @@ def _table_offline(r: dict) -> list[str]:
 
 
 def _table_server(r: dict) -> list[str]:
-    lines = ["| concurrency | server tok/s | `LLM.generate` tok/s, same prompts | share | server median TTFT: "
-             "first burst / timed |", "| --- | --- | --- | --- | --- |"]
-    for c, s in r.get("server", {}).items():
-        served, g = s["timed"]["tok_s"], r.get("generate", {}).get(c)
-        offline, share = (f"{g['tok_s']:,.0f}", f"{served / g['tok_s']:.0%}") if g else ("-", "-")
-        lines.append(f"| {c} | {served:,.0f} | {offline} | {share} | "
-                     f"{_s(s['first']['ttft_median_s'])} / {_s(s['timed']['ttft_median_s'])} |")
+    lines = ["| server | concurrency | server tok/s | `LLM.generate` tok/s, same prompts | share | server median "
+             "TTFT: first burst / timed |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, label in (("server", "engine in-process"), ("server_engine_process", "`--engine-process`")):
+        for c, s in r.get(key, {}).items():
+            served, g = s["timed"]["tok_s"], r.get("generate", {}).get(c)
+            offline, share = (f"{g['tok_s']:,.0f}", f"{served / g['tok_s']:.0%}") if g else ("-", "-")
+            lines.append(f"| {label} | {c} | {served:,.0f} | {offline} | {share} | "
+                         f"{_s(s['first']['ttft_median_s'])} / {_s(s['timed']['ttft_median_s'])} |")
     return lines
 
 
