@@ -145,16 +145,17 @@ def cases() -> dict:
             "stride_qt": i32, "stride_qh": i32}
     strides = {"stride_it": i32, "stride_ot": i32, "stride_oh": i32, "stride_pos": i32}
     # a decode step's sparse attention at V4-Flash's widths (512-dim rows, 64 heads a program), a key block an
-    # iteration: the FP8 KV cache's packed rows (592 bytes a row, 583 of them read) against bf16 rows (1,024)
+    # iteration: the FP8 KV cache's packed rows (592 bytes a row, 583 of them read; 32 keys a block before the
+    # block decode, 64 since) against bf16 rows (1,024)
     packed = {"D": 512, "NOPE": 448, "SCALES_AT": 576, "BLOCK_H": 64, "BLOCK_N": 32, "PRECISION": "ieee",
               "SPLITS": 1, "ROPE": True}
-    if "BLOCKS" in packed_kv._sparse_mqa_packed_kernel.arg_names:
-        packed["BLOCKS"] = True
+    if "BLOCKS" in packed_kv._sparse_mqa_packed_kernel.arg_names:  # (64 keys a block since the block decode)
+        packed.update(BLOCKS=True, BLOCK_N=64)
     table = {
         "fp8kv_attention": (packed_kv._sparse_mqa_packed_kernel,
                             {"q_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "bytes_ptr": "*u8", "rope_ptr": "*bf16",
                              "idx_ptr": "*i64", **attn, "stride_row": i32, **strides},
-                            packed, 8, 1, 32 * 583),
+                            packed, 8, 1, packed["BLOCK_N"] * 583),
         "bf16_attention": (attention._sparse_mqa_kernel,
                            {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i64", **attn, "stride_kvn": i32,
                             **strides},

@@ -90,13 +90,15 @@ def _sparse_mqa_packed_kernel(
                 half, stride_ot, stride_oh, stride_pos, D, SPLITS, ROPE)
 
 
-def packed_tiles(tiles: dict, d: int) -> dict:
+def packed_tiles(tiles: dict, d: int, blocks: bool = False) -> dict:
     """`tile_choice`'s tiles made to fit a Hopper multiprocessor's 227 KB of shared memory when the keys are decoded
     from packed rows: a block of 64 keys of 512 dims decoded to fp32 ([64, 512] x 4 bytes) beside the pipelined loads
-    asked 246-263 KB on the H100 (OutOfResources at launch), so wide heads take 32 keys a block in one stage. A
-    function of the head width alone, so the batch-invariant mode's fixed tiles stay fixed."""
+    asked 246-263 KB on the H100 (OutOfResources at launch), so wide heads take 32 keys a block in one stage. Rows
+    decoded a 64-dim block at a time (`blocks`: V4's layout, straight to 16-bit queries' dtype) keep 64 keys in one
+    stage: 131-164 KB at 512 dims (16 to 64 heads a program, `tests/test_kernels_compile.py`), and by bench/investigations/sass_mix.py's bound 3.1 TB/s of rows against 2.4 at 32
+    keys. A function of the model's widths alone, so the batch-invariant mode's fixed tiles stay fixed."""
     if d >= 256:
-        tiles = {**tiles, "block_n": min(tiles["block_n"], 32), "num_stages": 1}
+        tiles = {**tiles, "block_n": min(tiles["block_n"], 64 if blocks else 32), "num_stages": 1}
     return tiles
 
 
@@ -118,7 +120,8 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
     if T == 0:
         return out
     K = indices.shape[1]
-    tiles = packed_tiles(tile_choice(T, H, d, K, q.element_size(), tiles), d)
+    blocks = nope % FP8_BLOCK == 0 and d - nope == FP8_BLOCK and storage.shape[-1] % 2 == 0
+    tiles = packed_tiles(tile_choice(T, H, d, K, q.element_size(), tiles), d, blocks and q.element_size() == 2)
     block_h, block_n, splits = tiles["block_h"], tiles["block_n"], tiles["splits"]
     per_split = triton.cdiv(triton.cdiv(K, splits), block_n) * block_n
     positions, freq, half, part, stat = launch_buffers(q, indices, sinks, out, rope, splits)
@@ -129,7 +132,7 @@ def sparse_mqa_packed(q: torch.Tensor, storage: torch.Tensor, nope: int, indices
         q.stride(0), q.stride(1), width, indices.stride(0), out.stride(0), out.stride(1), positions.stride(0),
         D=d, NOPE=nope, SCALES_AT=nope + 2 * (d - nope), BLOCK_H=block_h, BLOCK_N=block_n,
         PRECISION=dot_precision(q.dtype), SPLITS=splits, ROPE=rope is not None,
-        BLOCKS=nope % FP8_BLOCK == 0 and d - nope == FP8_BLOCK and width % 2 == 0, num_warps=tiles["num_warps"],
+        BLOCKS=blocks, num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
     if splits > 1:
