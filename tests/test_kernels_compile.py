@@ -55,6 +55,14 @@ def cases() -> dict:
                 const = dict(tiles, BLOCK_M=rows, PRECISION="ieee", PER_PAIR=per_pair, EVEN=True)
                 out[f"fp4-{name}-{label}-m{rows}{'-pairs' if per_pair else ''}"] = (
                     kernel, sig, const, config.num_warps, config.num_stages)
+    from deepserve.backends.nvidia.triton_ops.moe import INVARIANT_TILES  # the batch-invariant mode's, fixed
+
+    tiles = {k: v for k, v in INVARIANT_TILES.items() if k.isupper()}
+    for name, kernel, sig in (("gate-up", fp4_moe._fp4_gate_up_swiglu_kernel, FP4_GATE_UP),
+                              ("down", fp4_moe._fp4_down_kernel, FP4_DOWN)):
+        const = dict(tiles, BLOCK_M=INVARIANT_TILES["block_m"], PRECISION="ieee", PER_PAIR=False, EVEN=True)
+        out[f"fp4-{name}-invariant"] = (kernel, sig, const, INVARIANT_TILES["num_warps"],
+                                        INVARIANT_TILES["num_stages"])
     tiles = fp4_moe._SHARED_TILES
     for bk, even in ((128, True), (64, False), (32, True)):  # V4's 128-column scale blocks; V4.1's 32
         for name, kernel, sig in (("gate-up", fp4_moe._pairs_shared_gate_up_kernel, SHARED_GATE_UP),
@@ -122,6 +130,7 @@ def _names() -> list[str]:
     for bn, bk, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8)):
         for suffix in ("m16-pairs", "m16", "m64", "m128"):
             names += [f"fp4-gate-up-{bn}x{bk}-w{warps}-{suffix}", f"fp4-down-{bn}x{bk}-w{warps}-{suffix}"]
+    names += ["fp4-gate-up-invariant", "fp4-down-invariant"]
     names += [f"shared-{k}-k{bk}" for bk in (128, 64, 32) for k in ("gate-up", "down")]
     return names + ["fp8kv-attention-h16", "fp8kv-attention-h64", "fp4-index-scores-words", "fp4-dequantize",
                     "fp8-act-split-m64", "fp8-act-split-m128"]

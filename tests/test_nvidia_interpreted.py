@@ -120,8 +120,8 @@ def _stored(work: Path) -> dict:
     """Weights kept as stored (FP8 projections, FP4 experts: the demo widened to whole 128-row scale blocks and
     written as DeepSeek stores V4) through the kernels, in both modes: the greedy tokens and their logprobs against
     the reference backend's (which dequantizes). The default mode's prefill takes the grouped FP4 kernels, its
-    decode steps the fused pairs-and-shared-expert kernels; the invariant mode dequantizes the experts by the
-    kernels' own decode."""
+    decode steps the fused pairs-and-shared-expert kernels; the invariant mode takes the FP4 kernels with its
+    fixed tiles and keeps the request's bits beside two others."""
     from deepserve import LLM
     from deepserve.backends.reference import ReferenceBackend
     from deepserve.model.factory import load_model
@@ -143,6 +143,9 @@ def _stored(work: Path) -> dict:
         assert tokens == reference[0], (name, tokens, reference)
         assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < 0.1, (name, logprobs, reference)
         found[name] = [tokens, logprobs]
+        if invariant:  # the FP4 experts' fixed tiles and routing-order sum keep the request's bits beside others
+            batched = _bits(llm, [PROMPT] + OTHERS)
+            assert batched == (tokens, logprobs), ("stored invariant", batched, tokens, logprobs)
     return found
 
 

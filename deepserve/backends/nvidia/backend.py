@@ -249,16 +249,19 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
                                                   act_fp8=path == "fp8", counters=self._arrivals)
 
     def quantized_moe_experts(self, x, topk_ids, topk_weights, w13, w2, limit):
-        """FP4 experts through the W4A16 kernels (input dims in words of eight codes); FP8 experts dequantized for
-        the bf16 kernels (and every stored expert in the batch-invariant mode, for its fixed-tile kernels)."""
+        """FP4 experts through the W4A16 kernels (input dims in words of eight codes; in the batch-invariant mode
+        with its fixed tiles and routing-order sum, as its bf16 experts); FP8 experts dequantized for the bf16
+        kernels; fp32 activations against the experts' values (the FP4 ones decoded by the kernels' decode)."""
         if self.kernels is None or not self._here(x):
             return super().quantized_moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
         fp4 = w13.fp4 and w2.fp4 and w13.data.shape[-1] % 4 == 0 and w2.data.shape[-1] % 4 == 0
-        if self.invariant:
+        if self.invariant and fp4:
+            return self.kernels.fp4_moe.fp4_moe_experts(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data,
+                                                        w2.scale, limit, tiles=self.kernels.moe.INVARIANT_TILES,
+                                                        per_pair=False, ordered_sum=True)
+        if self.invariant or x.dtype not in (torch.bfloat16, torch.float16):
             return self.moe_experts(x, topk_ids, topk_weights, self._dequantized(w13, x.dtype, fp4),
                                     self._dequantized(w2, x.dtype, fp4), limit)
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return super().quantized_moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
         if fp4:
             return self.kernels.fp4_moe.fp4_moe_experts(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data,
                                                         w2.scale, limit)
@@ -286,8 +289,8 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
                                        shared_w13.block)
 
     def _dequantized(self, weight, dtype, fp4: bool):
-        """A stored weight's values in `dtype`: FP4 by the kernels' decode (one launch, bitwise the same), else
-        `QuantizedWeight.dequantize`."""
+        """A stored weight's values in `dtype`: FP4 by the kernels' decode (one launch, bitwise
+        `QuantizedWeight.dequantize`'s), else `QuantizedWeight.dequantize`."""
         if fp4:
             return self.kernels.fp4_moe.dequantize(weight.data, weight.scale, dtype)
         return weight.dequantize(dtype)

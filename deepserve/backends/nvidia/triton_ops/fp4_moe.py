@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import dot_precision
-from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m
+from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m, sum_pairs
 
 
 
@@ -460,12 +460,13 @@ def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor:
 def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                     s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
                     pair_out: torch.Tensor | None = None, tiles: dict | None = None,
-                    per_pair: bool | None = None) -> torch.Tensor:
+                    per_pair: bool | None = None, ordered_sum: bool = False) -> torch.Tensor:
     """x [T, D], topk_ids/topk_weights [T, k]; packed w13 [E, 2I, D/2] with scales s13 [E, 2I, D/32], w2
     [E, D, I/2] with s2 [E, D, I/32] -> [T, D] in x.dtype. `tiles`: BLOCK_N, BLOCK_K, num_warps, num_stages.
     `per_pair`: each (token, expert) pair as a GEMV (default: up to PAIR_GEMV_PAIRS pairs), else the grouped
     kernels, whose tiles the autotuner picks per (D, I, block rows) at first use as for the bf16 experts (a long
-    prefill wants wider tiles than a decode step's few rows); `tiles` fixes them (and block_m)."""
+    prefill wants wider tiles than a decode step's few rows); `tiles` fixes them (and block_m). `ordered_sum`:
+    each token's rows added in routing order (`moe.sum_pairs`; the batch-invariant mode, with fixed tiles)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
@@ -503,4 +504,4 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         h, w2, s2, slot_pair, block_expert, weights, pair_out, D, I,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), pair_out.stride(0),
         BLOCK_M=bm, PRECISION=precision, PER_PAIR=per_pair, **fixed)
-    return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
+    return sum_pairs(pair_out.view(T, top_k, D), ordered_sum)

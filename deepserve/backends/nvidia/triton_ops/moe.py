@@ -219,13 +219,19 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         BLOCK_M=bm, PRECISION=dot_precision(x.dtype), **fixed,
     )
-    if ordered_sum:
-        rows = pair_out.view(T, top_k, D)
-        acc = rows[:, 0].float()
-        for k in range(1, top_k):
-            acc = acc + rows[:, k].float()
-        return acc.to(x.dtype)
-    return pair_out.view(T, top_k, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
+    return sum_pairs(pair_out.view(T, top_k, D), ordered_sum)
+
+
+def sum_pairs(rows: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+    """Each token's expert rows [T, k, D] added, in fp32 and rounded once to their dtype: by torch's sum over k,
+    or (`ordered`, the batch-invariant mode) in routing order, one elementwise add each (torch's sum over k picks
+    its reduction by shape)."""
+    if not ordered:
+        return rows.sum(1)
+    acc = rows[:, 0].float()
+    for k in range(1, rows.shape[1]):
+        acc = acc + rows[:, k].float()
+    return acc.to(rows.dtype)
 
 
 @triton.jit
