@@ -65,23 +65,25 @@ class SharedExpert(nn.Module):
         """gate and up read the same input (one GEMM once grouped: `common.SharedInput`)."""
         return [self.gate_proj, self.up_proj]
 
-    def gate_up_weight(self) -> torch.Tensor | None:
-        """gate and up as one [2I, D] weight, gate rows first (a routed expert's `gate_up_proj` layout), when
-        `SharedInput` has stacked just these two in that order (no copy); else None."""
+    def _gate_up_group(self):
+        """The `SharedInput` group that stacks just gate and up, gate rows first (a routed expert's `gate_up_proj`
+        layout), or None."""
         group = self.gate_proj.shared
-        if group is None or group.scale is not None or self.up_proj.shared is not group or len(group.spans) != 2:
+        if group is None or self.up_proj.shared is not group or len(group.spans) != 2:
             return None
         (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
-        return group.weight if a == 0 and b == c and d == group.weight.shape[0] else None
+        return group if a == 0 and b == c and d == group.weight.shape[0] else None
+
+    def gate_up_weight(self) -> torch.Tensor | None:
+        """gate and up as one plain [2I, D] weight when `SharedInput` stacks them so (no copy); else None."""
+        group = self._gate_up_group()
+        return group.weight if group is not None and group.scale is None else None
 
     def stored_gate_up(self) -> QuantizedWeight | None:
-        """`gate_up_weight` for gate and up kept as stored and stacked by `SharedInput`: their data and scales as
-        one [2I, D] stored weight (no copy); else None."""
-        group = self.gate_proj.shared
-        if group is None or group.scale is None or self.up_proj.shared is not group or len(group.spans) != 2:
-            return None
-        (a, b), (c, d) = group.spans[self.gate_proj], group.spans[self.up_proj]
-        if a != 0 or b != c or d != group.weight.shape[0]:
+        """`gate_up_weight` for gate and up kept as stored: their stacked data and scales as one [2I, D] stored
+        weight (no copy); else None."""
+        group = self._gate_up_group()
+        if group is None or group.scale is None:
             return None
         return QuantizedWeight(group.weight, group.scale, group.block)
 
