@@ -102,8 +102,8 @@ def check_act_quant(k, device, M, K, group, seed=0, exact_rounding=False) -> Non
 
 def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0, per_pair=None) -> None:
     """`fp4_moe_experts` against the reference backend's dequantizing `quantized_moe_experts` (fp32, on the CPU),
-    within the dtype's rounding; every (token, expert) row written. `per_pair`: the per-pair GEMV kernels (True),
-    the grouped ones (False), or the kernels' own choice by pairs (None)."""
+    within the dtype's rounding; every (token, expert) row written. `per_pair`: one block a pair (True),
+    expert-sorted blocks (False), or the kernels' own choice by pairs (None)."""
     g = torch.Generator().manual_seed(seed)
     w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
                                                                          / D**0.5)), (1, 32))
@@ -184,7 +184,7 @@ CASES = {
     "act-quant-32": (check_act_quant, dict(M=5, K=64, group=32)),
     "fp4-moe": (check_fp4_moe, dict(T=5, D=96, I=64, E=6, top_k=2, per_pair=False)),
     "fp4-moe-ragged": (check_fp4_moe, dict(T=40, D=64, I=48, E=4, top_k=3)),
-    # the per-pair GEMVs: a decode step's few pairs (the default's choice), and ragged K and N past one tile
+    # one block a pair: a decode step's few pairs (the default's choice), and ragged K and N past one tile
     "fp4-moe-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3)),
     "fp4-moe-pairs-ragged": (check_fp4_moe, dict(T=3, D=160, I=80, E=4, top_k=2, per_pair=True)),
     # the decode bit for bit, in fp32 (a code to a 32-bit operation) and bf16 (two codes a 32-bit operation, bf16

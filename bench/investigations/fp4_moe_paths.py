@@ -1,4 +1,4 @@
-"""FP4 routed experts at a decode step's few tokens: the per-pair GEMV kernels against the grouped kernels
+"""FP4 routed experts at a decode step's few tokens: one block a pair (`per_pair=True`) against expert-sorted blocks
 (`triton_ops/fp4_moe.py`, `per_pair=True/False`), at V4-Flash's expert shapes (D 4096, I 2048, top-6) with
 `--experts` per layer, to place `PAIR_GEMV_PAIRS` by measurement.
 

@@ -76,7 +76,7 @@ def test_act_quant_rounds_to_nearest_even(kernels):
 @pytest.mark.parametrize(("T", "per_pair"), [(1, None), (1, False), (4, True), (4, None), (64, None), (2048, None)])
 def test_fp4_moe_flash_shapes(kernels, T, per_pair):
     # the benchmark model: V4-Flash's experts (D 4096, I 2048, top-6) reduced to 16 per layer; both the
-    # per-pair GEMVs and the grouped kernels at a decode step's few pairs
+    # one block a pair and expert-sorted blocks at a decode step's few pairs
     check_fp4_moe(kernels, "cuda", T, 4096, 2048, 16, 6, dtype=torch.bfloat16, per_pair=per_pair)
 
 
