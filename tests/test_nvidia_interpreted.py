@@ -116,10 +116,24 @@ def _static_layout_reads(path) -> None:
     _no_stale_reads(llm, _bits(llm, [PROMPT]))
 
 
+def _top_two(llm) -> list[tuple[int, float, float]]:
+    """The prompt's greedy tokens from `llm`, each with its logprob and its lead over the second best."""
+    from deepserve import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                                      logprobs=2), use_tqdm=False)[0].outputs[0]
+    steps = []
+    for token, top in zip(out.token_ids, out.logprobs):
+        best = sorted((v.logprob for v in top.values()), reverse=True)
+        steps.append((token, top[token].logprob, best[0] - best[1]))
+    return steps
+
+
 def _stored(work: Path) -> dict:
     """Weights kept as stored (FP8 projections, FP4 experts: the demo widened to whole 128-row scale blocks and
     written as DeepSeek stores V4) through the kernels, in both modes: the greedy tokens and their logprobs against
-    the reference backend's (which dequantizes). The default mode's prefill takes the grouped FP4 kernels, its
+    the reference backend's (which dequantizes; a token may differ only where the reference's two best are within
+    0.1, and the comparison ends there). The default mode's prefill takes the grouped FP4 kernels, its
     decode steps the fused pairs-and-shared-expert kernels; the invariant mode takes the FP4 kernels with its
     fixed tiles and keeps the request's bits beside two others."""
     from deepserve import LLM
@@ -134,14 +148,17 @@ def _stored(work: Path) -> dict:
                                  index_head_dim=128)
     stored = save_checkpoint(load_model(demo, ReferenceBackend("cpu"), "float32", progress=False), work / "stored",
                              quantization="fp8")
-    reference = _bits(LLM(model=str(stored), accelerator="cpu", dtype="bfloat16", max_num_seqs=4,
-                          max_model_len=256), [PROMPT])
+    reference = _top_two(LLM(model=str(stored), accelerator="cpu", dtype="bfloat16", max_num_seqs=4,
+                             max_model_len=256))
     found = {"reference": reference}
     for name, invariant in (("default", False), ("invariant", True)):
         llm = _llm(stored, batch_invariant=invariant, enforce_eager=True)
         tokens, logprobs = _bits(llm, [PROMPT])
-        assert tokens == reference[0], (name, tokens, reference)
-        assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < 0.1, (name, logprobs, reference)
+        for step, (token, logprob, (ref_token, ref_logprob, margin)) in enumerate(zip(tokens, logprobs, reference)):
+            if token != ref_token:  # only where the reference's two best are near (the paths round differently)
+                assert margin < 0.1, (name, step, tokens, logprobs, reference)
+                break
+            assert abs(logprob - ref_logprob) < 0.1, (name, step, tokens, logprobs, reference)
         found[name] = [tokens, logprobs]
         if invariant:  # the FP4 experts' fixed tiles and routing-order sum keep the request's bits beside others
             batched = _bits(llm, [PROMPT] + OTHERS)
