@@ -47,10 +47,10 @@ def _llm(path, **kw):
                max_model_len=256, enable_prefix_caching=False, **kw)
 
 
-def _bits(llm, prompts) -> tuple[list[int], list[float]]:
+def _bits(llm, prompts, tokens: int = 3) -> tuple[list[int], list[float]]:
     from deepserve import SamplingParams
 
-    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    greedy = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     first = outs[0].outputs[0]
     return list(first.token_ids), [lp[t].logprob for lp, t in zip(first.logprobs, first.token_ids)]
@@ -117,10 +117,10 @@ def _static_layout_reads(path) -> None:
 
 
 def _top_two(llm) -> list[tuple[int, float, float]]:
-    """The prompt's greedy tokens from `llm`, each with its logprob and its lead over the second best."""
+    """The prompt's two greedy tokens from `llm`, each with its logprob and its lead over the second best."""
     from deepserve import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
                                                                       logprobs=2), use_tqdm=False)[0].outputs[0]
     steps = []
     for token, top in zip(out.token_ids, out.logprobs):
@@ -153,7 +153,7 @@ def _stored(work: Path) -> dict:
     found = {"reference": reference}
     for name, invariant in (("default", False), ("invariant", True)):
         llm = _llm(stored, batch_invariant=invariant, enforce_eager=True)
-        tokens, logprobs = _bits(llm, [PROMPT])
+        tokens, logprobs = _bits(llm, [PROMPT], tokens=2)  # the prompt's token, then a decode step's
         for step, (token, logprob, (ref_token, ref_logprob, margin)) in enumerate(zip(tokens, logprobs, reference)):
             if token != ref_token:  # only where the reference's two best are near (the paths round differently)
                 assert margin < 0.1, (name, step, tokens, logprobs, reference)
@@ -161,7 +161,7 @@ def _stored(work: Path) -> dict:
             assert abs(logprob - ref_logprob) < 0.1, (name, step, tokens, logprobs, reference)
         found[name] = [tokens, logprobs]
         if invariant:  # the FP4 experts' fixed tiles and routing-order sum keep the request's bits beside others
-            batched = _bits(llm, [PROMPT] + OTHERS)
+            batched = _bits(llm, [PROMPT] + OTHERS, tokens=2)
             assert batched == (tokens, logprobs), ("stored invariant", batched, tokens, logprobs)
     return found
 
