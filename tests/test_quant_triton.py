@@ -140,7 +140,8 @@ def check_fp4_moe_with_shared(k, device, T, D, I, E, top_k, block, dtype=torch.f
         xf, ids.cpu(), weights.cpu(), *(quant.QuantizedWeight(w.data.cpu(), w.scale.cpu(), w.block) for w in (w13, w2)),
         7.0)
     gate, up = (xf @ s13.dequantize(torch.float32).cpu().t()).split(I, dim=1)
-    shared = (torch.nn.functional.silu(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)) @ s2.dequantize(torch.float32).cpu().t()
+    swiglu = torch.nn.functional.silu(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
+    shared = swiglu @ s2.dequantize(torch.float32).cpu().t()
     y = k.fp4_moe.fp4_moe_with_shared(x, ids, weights, w13.data, w13.scale, w2.data, w2.scale, 7.0, s13.data,
                                       s13.scale, s2.data, s2.scale, block)
     assert y.shape == (T, D) and y.dtype == dtype

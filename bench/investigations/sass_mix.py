@@ -138,8 +138,8 @@ def cases() -> dict:
             "fp4_grouped": (fp4_moe._fp4_gate_up_swiglu_kernel.fn, {**fp4_sig, "w_ptr": "*u8"}, grouped, 4, 3,
                             fp4_bytes)}
     else:
-        fp4 = {name: (fp4_moe._fp4_gate_up_swiglu_kernel.fn, fp4_sig, {**grouped, "PER_PAIR": per_pair, "EVEN": True}, 4, 3,
-                      fp4_bytes) for name, per_pair in (("fp4_pair", True), ("fp4_grouped", False))}
+        fp4 = {name: (fp4_moe._fp4_gate_up_swiglu_kernel.fn, fp4_sig, {**grouped, "PER_PAIR": per_pair, "EVEN": True},
+                      4, 3, fp4_bytes) for name, per_pair in (("fp4_pair", True), ("fp4_grouped", False))}
     attn = {"sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "pos_ptr": "*i64",
             "freq_ptr": "*fp32", "K": i32, "H": i32, "scale_log2": fp32, "per_split": i32, "half": i32,
             "stride_qt": i32, "stride_qh": i32}

@@ -6,10 +6,11 @@ kernels a layer, where bf16's graphs launch about 17).
 
 The demo checkpoint, widened so that every projection's rows are whole 128-row scale blocks as V4-Flash's are
 (`--widths`, default on: hidden 256, heads of 128 dims, LoRA ranks and expert width 128; then the stored
-projections that read one input are stacked into one GEMM as the bf16 ones are), written as stored (`writer.save_checkpoint(..., quantization="fp8")`), loaded on the NVIDIA
-backend under Triton's interpreter (CPU) as stored and with `quantization="none"`, and one decode step through
-`DecodeGraphs`' static forward counted as bench/investigations/fp8_step_ops.py counts it (torch ops that launch a
-kernel, Triton launches). Prints both totals and the ops whose counts differ. Counts only, not times.
+projections that read one input are stacked into one GEMM as the bf16 ones are), written as stored
+(`writer.save_checkpoint(..., quantization="fp8")`), loaded on the NVIDIA backend under Triton's interpreter
+(CPU) as stored and with `quantization="none"`, and one decode step through `DecodeGraphs`' static forward
+counted as bench/investigations/fp8_step_ops.py counts it (torch ops that launch a kernel, Triton launches).
+Prints both totals and the ops whose counts differ. Counts only, not times.
 """
 
 from __future__ import annotations

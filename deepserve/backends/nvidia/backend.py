@@ -51,6 +51,12 @@ def _mm_out_fp32_works(device: str) -> bool:
         return False
 
 
+def _fp4_in_words(w13, w2) -> bool:
+    """Whether both stored expert stacks are FP4 whose input dims are whole 32-bit words of eight codes (the FP4
+    kernels' reads)."""
+    return w13.fp4 and w2.fp4 and w13.data.shape[-1] % 4 == 0 and w2.data.shape[-1] % 4 == 0
+
+
 def persist_compiled_kernels() -> None:
     """Compiled kernels (Triton's cache, DeepGEMM's JIT cache) kept under deepserve's cache directory, so that a
     restart compiles nothing; set before either compiles, and only where the user has not named their own."""
@@ -254,7 +260,7 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         kernels; fp32 activations against the experts' values (the FP4 ones decoded by the kernels' decode)."""
         if self.kernels is None or not self._here(x):
             return super().quantized_moe_experts(x, topk_ids, topk_weights, w13, w2, limit)
-        fp4 = w13.fp4 and w2.fp4 and w13.data.shape[-1] % 4 == 0 and w2.data.shape[-1] % 4 == 0
+        fp4 = _fp4_in_words(w13, w2)
         if self.invariant and fp4:
             return self.kernels.fp4_moe.fp4_moe_experts(x, topk_ids, topk_weights, w13.data, w13.scale, w2.data,
                                                         w2.scale, limit, tiles=self.kernels.moe.INVARIANT_TILES,
@@ -275,7 +281,7 @@ class NvidiaBackend(PackedKVOps, ReferenceBackend):
         if (fp4 is None or self.invariant or not self._here(x)
                 or x.dtype not in (torch.bfloat16, torch.float16)
                 or not 0 < topk_ids.numel() <= fp4.PAIR_GEMV_PAIRS
-                or not (w13.fp4 and w2.fp4) or w13.data.shape[-1] % 4 or w2.data.shape[-1] % 4
+                or not _fp4_in_words(w13, w2)
                 or shared_w13.fp4 or shared_w2.fp4 or shared_w13.block != shared_w2.block
                 or shared_w13.data.dtype != torch.float8_e4m3fn or shared_w2.data.dtype != torch.float8_e4m3fn
                 or any(s.scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))

@@ -7,10 +7,11 @@ every kernel that loops from a program id (`range(pid * chunk, ...)`) then fails
 `libdevice` functions (the GPU's accurate `cos`, `sin`, `log1p`) are declarations only, which the interpreter
 cannot call; an autotuned kernel times its configurations through a GPU driver, which there is none of; and
 `tl.dot` of bf16 operands multiplies their raw 16-bit patterns (the interpreter keeps bf16 as uint16), which is
-garbage, as is a bf16 multiplication. `support_kernels` makes the conversion read the array's one element, the value it meant, points those
-functions at the interpreter's own math (numpy's, in fp32), has the autotuner take each kernel's first
-configuration (its timings all equal), widens bf16 dot operands to fp32 first (their products are exact
-there, as on tensor cores) and multiplies bf16 values in fp32, rounded once to bf16; it changes nothing on a GPU, where the interpreter is not used.
+garbage, as is a bf16 multiplication. `support_kernels` makes the conversion read the array's one element, the
+value it meant, points those functions at the interpreter's own math (numpy's, in fp32), has the autotuner take
+each kernel's first configuration (its timings all equal), widens bf16 dot operands to fp32 first (their products
+are exact there, as on tensor cores) and multiplies bf16 values in fp32, rounded once to bf16; it changes nothing
+on a GPU, where the interpreter is not used.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision
-from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m, sum_pairs
+from .common import dot_precision, ue8m0, ue8m0_bf16
+from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m, sum_pairs, swiglu
 
 
 
@@ -35,12 +35,6 @@ def _e2m1(code):
     mag = code & 7
     bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
     return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _ue8m0(byte):
-    """UE8M0 scale bytes as the fp32 powers of two they stand for: the byte is the float's exponent field."""
-    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 #: 2^126: a code's bits set in a float's exponent and mantissa (`_codes_as_bf16_pairs`, `_code_as_fp32`) read its
@@ -116,7 +110,7 @@ def _fp4_tile(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.co
         scale_bits = tl.load(s_ptr + rows * stride_sn + groups, mask=n_ok[:, None, None] & (groups * 32 < K),
                              other=127)
     if DTYPE == tl.bfloat16:
-        scale = (scale_bits.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = ue8m0_bf16(scale_bits)
         big = tl.full((1, 1, 1), 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # 2^126
         v0, v4 = _bf16_halves(_codes_as_bf16_pairs(words, 0))
         v1, v5 = _bf16_halves(_codes_as_bf16_pairs(words, 1))
@@ -125,7 +119,7 @@ def _fp4_tile(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.co
         tile = _interleave8(v0 * big * scale, v1 * big * scale, v2 * big * scale, v3 * big * scale,
                             v4 * big * scale, v5 * big * scale, v6 * big * scale, v7 * big * scale)
     else:
-        scale = (scale_bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = ue8m0(scale_bits)
         tile = _interleave8(_code_as_fp32(words, 0) * _TWO_126 * scale, _code_as_fp32(words, 1) * _TWO_126 * scale,
                             _code_as_fp32(words, 2) * _TWO_126 * scale, _code_as_fp32(words, 3) * _TWO_126 * scale,
                             _code_as_fp32(words, 4) * _TWO_126 * scale, _code_as_fp32(words, 5) * _TWO_126 * scale,
@@ -158,9 +152,13 @@ def _rows_tile(ptr, rows, stride, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN: t
                    other=0.0)
 
 
-def _even(args) -> bool:
+def _even(D: int, I: int, block_n: int, block_k: int) -> bool:
     """Whether every tile lies inside the weights (D and I in whole BLOCK_N and BLOCK_K tiles)."""
-    return all(d % args["BLOCK_N"] == 0 and d % args["BLOCK_K"] == 0 for d in (args["D"], args["I"]))
+    return all(d % block_n == 0 and d % block_k == 0 for d in (D, I))
+
+
+def _even_heuristic(args) -> bool:
+    return _even(args["D"], args["I"], args["BLOCK_N"], args["BLOCK_K"])
 
 
 @triton.jit
@@ -176,8 +174,7 @@ def _fp8_tile(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, stride_sk, BR:
     else:
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         bits = tl.load(s_ptr + (rows // BR) * stride_sn + (k0 // BC) * stride_sk, mask=n_ok & (k0 < K), other=127)
-    scale = (bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return (w.to(tl.float32) * scale[:, None]).to(DTYPE)
+    return (w.to(tl.float32) * ue8m0(bits)[:, None]).to(DTYPE)
 
 
 @triton.jit
@@ -212,13 +209,6 @@ def _gate_up(x_ptr, token, stride_xt, ok, w_ptr, s_ptr, n, n_ok, D, I, stride_wn
 
 
 @triton.jit
-def _swiglu(gate, up, limit):
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
 def _down(h_ptr, rows, stride_hm, ok, w_ptr, s_ptr, n, n_ok, I, stride_wn, stride_sn, stride_sk, BR: tl.constexpr,
           BC: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           PRECISION: tl.constexpr, EVEN: tl.constexpr):
@@ -246,7 +236,7 @@ FP4_CONFIGS = [
 
 
 @triton.autotune(configs=FP4_CONFIGS, key=_KEY)  # (picked by timing at first use)
-@triton.heuristics({"EVEN": _even})
+@triton.heuristics({"EVEN": _even_heuristic})
 @triton.jit
 def _fp4_gate_up_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, h_ptr,
@@ -265,13 +255,13 @@ def _fp4_gate_up_swiglu_kernel(
     gate, up = _gate_up(x_ptr, token, stride_xt, ok, w_ptr + expert.to(tl.int64) * stride_we,
                         s_ptr + expert.to(tl.int64) * stride_se, n, n_ok, D, I, stride_wn, stride_sn, 0, 1, 1, False,
                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EVEN)
-    h = _swiglu(gate, up, limit)
+    h = swiglu(gate, up, limit)
     tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.autotune(configs=FP4_CONFIGS, key=_KEY)
-@triton.heuristics({"EVEN": _even})
+@triton.heuristics({"EVEN": _even_heuristic})
 @triton.jit
 def _fp4_down_kernel(
     h_ptr, w_ptr, s_ptr, slot_pair_ptr, block_expert_ptr, pair_weight_ptr, y_ptr,
@@ -334,7 +324,7 @@ def _pairs_shared_gate_up_kernel(
     else:
         gate, up = _gate_up(x_ptr, tokens, stride_xt, ok, sw_ptr, ss_ptr, n, n_ok, D, I, stride_swn, stride_ssn,
                             stride_ssk, BR, BC, True, 16, BLOCK_N, BLOCK_K, PRECISION, EVEN)
-    h = _swiglu(gate, up, limit)
+    h = swiglu(gate, up, limit)
     tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
@@ -379,8 +369,7 @@ def fp4_moe_with_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     I, top_k = I2 // 2, topk_ids.shape[1]
     BR, BC = shared_block
     t = {**_SHARED_TILES, "BLOCK_K": min(128, BC), **(tiles or {})}
-    if D % 8 or I % 8:
-        raise ValueError(f"FP4 experts are read as words of eight codes: D ({D}) and I ({I}) must be multiples of 8")
+    w13, s13, w2, s2 = _expert_words(w13, s13, w2, s2, D, I)
     if tuple(shared_w13.shape) != (2 * I, D) or tuple(shared_w2.shape) != (D, I):
         raise ValueError(f"the shared expert {tuple(shared_w13.shape)} / {tuple(shared_w2.shape)} is not the routed "
                          f"experts' [{2 * I}, {D}] / [{D}, {I}]")
@@ -389,16 +378,14 @@ def fp4_moe_with_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     pairs = T * top_k
     y = torch.empty((T * (top_k + 1), D), dtype=x.dtype, device=x.device)
     if T == 0:
-        return y.view(T, top_k + 1, D).sum(1)
+        return sum_pairs(y.view(T, top_k + 1, D))
     x, ids = x.contiguous(), topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    w13, w2, s13, s2 = _words(w13), _words(w2), _e8m0_bits(s13).contiguous(), _e8m0_bits(s2).contiguous()
     sw13, sw2 = shared_w13.contiguous(), shared_w2.contiguous()
     ss13, ss2 = _e8m0_bits(shared_s13).contiguous(), _e8m0_bits(shared_s2).contiguous()
     h = torch.empty((T * (top_k + 1), I), dtype=x.dtype, device=x.device)
     bn, bk = t["BLOCK_N"], t["BLOCK_K"]
-    even = all(d % bn == 0 and d % bk == 0 for d in (D, I))
-    common = dict(BR=BR, BC=BC, BLOCK_N=bn, BLOCK_K=bk, PRECISION=dot_precision(x.dtype), EVEN=even,
+    common = dict(BR=BR, BC=BC, BLOCK_N=bn, BLOCK_K=bk, PRECISION=dot_precision(x.dtype), EVEN=_even(D, I, bn, bk),
                   num_warps=t["num_warps"], num_stages=t["num_stages"])
     _pairs_shared_gate_up_kernel[(pairs + T, triton.cdiv(I, bn))](
         x, w13, s13, ids, sw13, ss13, h, D, I, top_k, float(limit), pairs,
@@ -408,7 +395,7 @@ def fp4_moe_with_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         h, w2, s2, ids, weights, sw2, ss2, y, D, I, top_k, pairs,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), sw2.stride(0), ss2.stride(0),
         ss2.stride(1), y.stride(0), **common)
-    return y.view(T, top_k + 1, D).sum(1)  # accumulated in fp32 (torch's bf16 sum), rounded once
+    return sum_pairs(y.view(T, top_k + 1, D))
 
 
 @triton.jit
@@ -424,7 +411,7 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Packed codes [..., N, K/2] with [..., N, K/32] e8m0 scales -> their values in `dtype` [..., N, K] (K a
     multiple of 8), by the kernels' own decode: bitwise `quant.dequantize_fp4` rounded to `dtype` (the values
-    are exact in bf16 and fp32), in one launch (the batch-invariant mode's experts, which take 16-bit weights)."""
+    are exact in bf16 and fp32), in one launch (the experts' values for fp32 activations)."""
     *lead, N, half = packed.shape
     K = 2 * half
     if K % 8:
@@ -446,6 +433,13 @@ def _fp4_block_m(pairs: int, experts: int) -> int:
     return max(_block_m(pairs), min(128, max(16, triton.next_power_of_2(per_expert))))
 
 
+def _expert_words(w13, s13, w2, s2, D: int, I: int) -> tuple[torch.Tensor, ...]:
+    """The packed expert stacks as int32 words and their scales as e8m0 bytes, as the kernels read them."""
+    if D % 8 or I % 8:
+        raise ValueError(f"FP4 experts are read as words of eight codes: D ({D}) and I ({I}) must be multiples of 8")
+    return _words(w13), _e8m0_bits(s13).contiguous(), _words(w2), _e8m0_bits(s2).contiguous()
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """Packed codes [..., K/2] (int8, uint8 or float4_e2m1fn_x2) as int32 words [..., K/8], eight codes a word."""
     return packed.view(torch.uint8).contiguous().view(torch.int32)
@@ -463,18 +457,16 @@ def fp4_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     per_pair: bool | None = None, ordered_sum: bool = False) -> torch.Tensor:
     """x [T, D], topk_ids/topk_weights [T, k]; packed w13 [E, 2I, D/2] with scales s13 [E, 2I, D/32], w2
     [E, D, I/2] with s2 [E, D, I/32] -> [T, D] in x.dtype. `tiles`: BLOCK_N, BLOCK_K, num_warps, num_stages.
-    `per_pair`: each (token, expert) pair as a GEMV (default: up to PAIR_GEMV_PAIRS pairs), else the grouped
-    kernels, whose tiles the autotuner picks per (D, I, block rows) at first use as for the bf16 experts (a long
-    prefill wants wider tiles than a decode step's few rows); `tiles` fixes them (and block_m). `ordered_sum`:
-    each token's rows added in routing order (`moe.sum_pairs`; the batch-invariant mode, with fixed tiles)."""
+    `per_pair`: each (token, expert) pair a block of its own (default: up to PAIR_GEMV_PAIRS pairs), else
+    expert-sorted blocks, whose tiles the autotuner picks per (D, I, block rows) at first use as for the bf16
+    experts (a long prefill wants wider tiles than a decode step's few rows); `tiles` fixes them (and block_m).
+    `ordered_sum`: each token's rows added in routing order (`moe.sum_pairs`; the batch-invariant mode, with fixed
+    tiles)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I, top_k = I2 // 2, topk_ids.shape[1]
-    if D % 8 or I % 8:
-        raise ValueError(f"FP4 experts are read as words of eight codes: D ({D}) and I ({I}) must be multiples of 8")
+    w13, s13, w2, s2 = _expert_words(w13, s13, w2, s2, D, I)
     x = x.contiguous()
-    w13, w2 = _words(w13), _words(w2)
-    s13, s2 = _e8m0_bits(s13).contiguous(), _e8m0_bits(s2).contiguous()
     pairs = T * top_k
     if pair_out is None:
         pair_out = torch.empty((pairs, D), dtype=x.dtype, device=x.device)

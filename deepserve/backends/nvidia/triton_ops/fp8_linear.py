@@ -3,10 +3,11 @@
 Two modes of one kernel, by rows:
 
 * Prefill and batches past GEMV_ROWS (`ACT_FP8`): each row of x is quantized to FP8 per group of BLOCK_K inputs
-  on the fly (`act_quant`, one launch: a power-of-two scale per group, `2^ceil(log2(amax / 448))`, as DeepSeek's `act_quant` with
-  `scale_fmt: ue8m0`; quantized once, not once per column tile), the FP8 tiles multiply on Hopper's FP8 tensor
-  cores, and each K step's product is promoted to fp32 times the row's activation scale and the weight block's. BLOCK_K divides the weight block's columns (128 for V4, 32 for V4.1), so
-  one weight scale serves a K step.
+  on the fly (`act_quant`, one launch: a power-of-two scale per group, `2^ceil(log2(amax / 448))`, as
+  DeepSeek's `act_quant` with `scale_fmt: ue8m0`; quantized once, not once per column tile), the FP8 tiles
+  multiply on Hopper's FP8 tensor cores, and each K step's product is promoted to fp32 times the row's
+  activation scale and the weight block's. BLOCK_K divides the weight block's columns (128 for V4, 32 for
+  V4.1), so one weight scale serves a K step.
 * Decode (`gemv`, a few rows): the weight tile is dequantized in registers to x's dtype (exact: an e4m3 value
   times a power of two is a bf16 value) and multiplied with x as it is (W8A16), the rows padded to the 16 a
   tensor-core dot needs; K is split so that narrow projections still fill the GPU, the fp32 parts summed in
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import SMS, dot_precision
+from .common import SMS, dot_precision, ue8m0
 from .gemv import add_parts_on_arrival
 
 FP8_MAX = 448.0
@@ -78,8 +79,8 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr, M
         a = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
         sw = tl.load(s_rows + (k0 // BC) * stride_sk, mask=n < tl.where(k0 < K, N, 0), other=0)
-        if E8M0:  # the byte is the power of two's fp32 exponent field (exp2 of the byte cost an int-to-float
-            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # conversion and a special function each)
+        if E8M0:  # (exp2 of the byte cost an int-to-float conversion and a special function each)
+            sw = ue8m0(sw)
         else:
             sw = sw.to(tl.float32)
         if ACT_FP8:  # each K step's FP8 product promoted to fp32 with both scales, as DeepGEMM does

@@ -29,6 +29,14 @@ _CONFIGS = [
 
 
 @triton.jit
+def swiglu(gate, up, limit):
+    """V4's clamped SwiGLU of fp32 gate and up columns: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr):
     """This program's block of sorted slots: its expert (-1: an unused block), the slots, their (token, k) pair
     indices and which slots hold one (padding holds -1)."""
@@ -66,9 +74,7 @@ def _gate_up_swiglu_kernel(
         wu = tl.load(w_up + k[:, None], mask=n_ok[None, :] & (k[:, None] < D), other=0.0)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = swiglu(gate, up, limit)
     tl.store(h_ptr + slots[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
@@ -316,9 +322,7 @@ def _small_gate_up_kernel(x_ptr, ids_ptr, weights_ptr, w_ptr, shared_ptr, h_ptr,
                       input_precision=PRECISION)
         up = tl.dot(a, tl.trans(tl.load(up_rows + k[None, :], mask=w_ok, other=0.0)), up, input_precision=PRECISION)
     weight = tl.where(routed, tl.load(weights_ptr + t * K + tl.minimum(j, K - 1)).to(tl.float32), 1.0)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up * weight
+    h = swiglu(gate, up, limit) * weight
     tl.store(h_ptr + p * stride_hp + m[:, None] * 0 + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=first & (n < I)[None, :])
 

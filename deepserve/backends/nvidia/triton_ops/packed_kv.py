@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _merge_kernel, finish_part, launch_buffers, online_block, start_part, tile_choice
-from .common import dot_precision
-from .fp4_moe import _e2m1, _fp4_tile, _ue8m0
+from .common import dot_precision, ue8m0, ue8m0_bf16
+from .fp4_moe import _e2m1, _fp4_tile
 from .indexer import _top_columns
 
 FP8_BLOCK = 64  # non-RoPE dims per scale byte of a KV row
@@ -36,7 +36,7 @@ def _fp8_rows(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride, dims, NOPE: tl.c
     base = tl.where(ok, rows, 0).to(tl.int64)[:, None] * stride
     nope = (dims < NOPE)[None, :]
     codes = tl.load(codes_ptr + base + dims[None, :], mask=ok[:, None] & nope, other=0.0).to(tl.float32)
-    scale = _ue8m0(tl.load(bytes_ptr + base + SCALES_AT + dims[None, :] // 64, mask=ok[:, None] & nope, other=0))
+    scale = ue8m0(tl.load(bytes_ptr + base + SCALES_AT + dims[None, :] // 64, mask=ok[:, None] & nope, other=0))
     # RoPE dim j is the bf16 at byte NOPE + 2 (j - NOPE), element NOPE / 2 + j - NOPE of the row's bf16 view
     rope = tl.load(rope_ptr + base // 2 + (dims[None, :] - NOPE // 2), mask=ok[:, None] & ~nope, other=0.0)
     return tl.where(nope, codes * scale, rope.to(tl.float32))
@@ -58,9 +58,9 @@ def _fp8_rows_in_blocks(codes_ptr, bytes_ptr, rope_ptr, rows, ok, stride, NOPE: 
     bits = tl.load(bytes_ptr + base + SCALES_AT + block, mask=row_ok & fp8, other=0)
     rope = tl.load(rope_ptr + base // 2 + NOPE // 2 + j, mask=row_ok, other=0.0)
     if DTYPE == tl.bfloat16:  # codes and a power of two: the product is exact in bf16, as in fp32 then rounded
-        values = codes.to(tl.bfloat16) * (bits.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        values = codes.to(tl.bfloat16) * ue8m0_bf16(bits)
     else:
-        values = (codes.to(tl.float32) * (bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)).to(DTYPE)
+        values = (codes.to(tl.float32) * ue8m0(bits)).to(DTYPE)
     return tl.reshape(tl.where(fp8, values, rope.to(DTYPE)), (BLOCK_N, D))
 
 
@@ -95,8 +95,9 @@ def packed_tiles(tiles: dict, d: int, blocks: bool = False) -> dict:
     from packed rows: a block of 64 keys of 512 dims decoded to fp32 ([64, 512] x 4 bytes) beside the pipelined loads
     asked 246-263 KB on the H100 (OutOfResources at launch), so wide heads take 32 keys a block in one stage. Rows
     decoded a 64-dim block at a time (`blocks`: V4's layout, straight to 16-bit queries' dtype) keep 64 keys in one
-    stage: 131-164 KB at 512 dims (16 to 64 heads a program, `tests/test_kernels_compile.py`), and by bench/investigations/sass_mix.py's bound 3.1 TB/s of rows against 2.4 at 32
-    keys. A function of the model's widths alone, so the batch-invariant mode's fixed tiles stay fixed."""
+    stage: 131-164 KB at 512 dims (16 to 64 heads a program, `tests/test_kernels_compile.py`), and by
+    bench/investigations/sass_mix.py's bound 3.1 TB/s of rows against 2.4 at 32 keys. A function of the model's
+    widths alone, so the batch-invariant mode's fixed tiles stay fixed."""
     if d >= 256:
         tiles = {**tiles, "block_n": min(tiles["block_n"], 64 if blocks else 32), "num_stages": 1}
     return tiles
@@ -177,7 +178,7 @@ def _packed_index_scores_kernel(
         else:  # a code at a time (keys whose rows are not whole words: DI below 128)
             packed = tl.load(keys_ptr + base + dims[None, :] // 2, mask=visible[:, None], other=0)
             code = tl.where((dims % 2 == 0)[None, :], packed & 15, packed >> 4)
-            scale = _ue8m0(tl.load(keys_ptr + base + DI // 2 + dims[None, :] // 32, mask=visible[:, None], other=0))
+            scale = ue8m0(tl.load(keys_ptr + base + DI // 2 + dims[None, :] // 32, mask=visible[:, None], other=0))
             keys = (_e2m1(code) * scale).to(q.dtype)
         s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [heads, keys]
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
