@@ -25,10 +25,11 @@ import torch
 pytest.importorskip("triton")
 
 I32, FP32 = "i32", "fp32"
-FP4_GATE_UP = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i32", "block_expert_ptr": "*i32",
+# the index tensors as the engine passes them: the router's top-k ids and `moe._align`'s layout are int64
+FP4_GATE_UP = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i64", "block_expert_ptr": "*i64",
                "h_ptr": "*bf16", "D": I32, "I": I32, "top_k": I32, "limit": FP32, "stride_xt": I32,
                "stride_we": I32, "stride_wn": I32, "stride_se": I32, "stride_sn": I32, "stride_hm": I32}
-FP4_DOWN = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i32", "block_expert_ptr": "*i32",
+FP4_DOWN = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i64", "block_expert_ptr": "*i64",
             "pair_weight_ptr": "*fp32", "y_ptr": "*bf16", "D": I32, "I": I32, "stride_hm": I32, "stride_we": I32,
             "stride_wn": I32, "stride_se": I32, "stride_sn": I32, "stride_yp": I32}
 SHARED_GATE_UP = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "ids_ptr": "*i64", "sw_ptr": "*fp8e4nv",

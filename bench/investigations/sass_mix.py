@@ -124,14 +124,14 @@ def cases() -> dict:
     fp8 = dict(BR=128, BC=128, E8M0=True, ACT_FP8=False, SPLIT=4, REDUCE=True, PRECISION="ieee",
                BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
     dense = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRECISION="ieee", SPLIT=4, NORM=False)
-    fp4_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i32", "block_expert_ptr": "*i32",
+    fp4_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "slot_pair_ptr": "*i64", "block_expert_ptr": "*i64",
                "h_ptr": "*bf16", "D": i32, "I": i32, "top_k": i32, "limit": fp32, "stride_xt": i32, "stride_we": i32,
                "stride_wn": i32, "stride_se": i32, "stride_sn": i32, "stride_hm": i32}
     fp4_bytes = 2 * grouped["BLOCK_N"] * grouped["BLOCK_K"] // 2  # a gate and an up tile an iteration
     if hasattr(fp4_moe, "_fp4_pair_gate_up_kernel"):  # (the tree before the word decode: bytes, a kernel a path)
         fp4 = {
             "fp4_pair": (fp4_moe._fp4_pair_gate_up_kernel,
-                         {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*bf16",
+                         {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i64", "h_ptr": "*bf16",
                           "D": i32, "I": i32, "top_k": i32, "limit": fp32, "stride_xt": i32, "stride_we": i32,
                           "stride_wn": i32, "stride_se": i32, "stride_sn": i32, "stride_hp": i32},
                          pair, 4, 3, fp4_bytes),

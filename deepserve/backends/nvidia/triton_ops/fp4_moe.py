@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import dot_precision, ue8m0, ue8m0_bf16
-from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m, sum_pairs, swiglu
+from .moe import SMALL_ALIGN_PAIRS, _align, _align_small, _block_m, _block_slots, sum_pairs, swiglu
 
 
 
@@ -132,15 +132,16 @@ def _fp4_tile(w_ptr, s_ptr, n, k0, n_ok, K, stride_wn, stride_sn, BLOCK_N: tl.co
 def _block_rows(block_expert_ptr, slot_pair_ptr, BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
     """This program's expert (-1: an unused block), its rows of the SwiGLU buffer, their (token, k) pair indices
     and which rows hold one. PER_PAIR: a block is one pair (block_expert_ptr: the flat top-k ids), its one row
-    padded to the BLOCK_M rows a tensor-core dot needs; else a block of expert-sorted slots (`moe._align`)."""
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    i = tl.arange(0, BLOCK_M)
+    padded to the BLOCK_M rows a tensor-core dot needs; else a block of expert-sorted slots (`moe._block_slots`).
+    An if / else, not a return in a constexpr branch: Triton's compiler also builds what follows such a return,
+    and its return types (the slots' int64 pair indices) then clash with the per-pair branch's."""
     if PER_PAIR:
-        return expert, block + 0 * i, block + 0 * i, i == 0
-    slots = block * BLOCK_M + i
-    pair = tl.load(slot_pair_ptr + slots)
-    return expert, slots, pair, pair >= 0
+        block = tl.program_id(0)
+        i = tl.arange(0, BLOCK_M)
+        expert, rows, pair, ok = tl.load(block_expert_ptr + block), block + 0 * i, block + 0 * i, i == 0
+    else:
+        expert, rows, pair, ok = _block_slots(block_expert_ptr, slot_pair_ptr, BLOCK_M)
+    return expert, rows, pair, ok
 
 
 @triton.jit
