@@ -378,7 +378,6 @@ async def part_server(ckpt: Path, plan: Plan, rec: Record, work: Path) -> None:
                       f"{row['timed']['ttft_median_s']:.3f} s", flush=True)
                 rec.save()
         free_device_memory()
-    free_device_memory()
     llm = LLM(str(ckpt), **plan.llm_options())
     params = SamplingParams(temperature=0, max_tokens=plan.output_len, ignore_eos=True)
     rec["generate"] = {}

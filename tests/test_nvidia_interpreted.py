@@ -11,8 +11,9 @@
   are fixed, as the GPU's are).
 - Both modes compute the model: the prefill's greedy token and its logprob are the reference backend's (the
   interpreter's bf16 products widened to fp32, as tensor cores multiply them); with weights kept as stored (FP8
-  projections, FP4 experts) every greedy token and its logprob, through the stored kernels (the FP4 experts'
-  grouped and per-pair paths, the shared expert fused with a decode step's pairs).
+  projections, FP4 experts) the prompt's token and a decode step's, with their logprobs, through the stored
+  kernels (the FP4 experts' grouped path, the shared expert fused with a decode step's pairs), and the invariant
+  mode's bits beside two other requests.
 
 The interpreter must be chosen before triton is first imported, so the checks run in one child process (this file
 run as a script) and each test reads its result. Skipped where triton is not installed or a GPU is present (there
