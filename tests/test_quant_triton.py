@@ -100,15 +100,19 @@ def check_act_quant(k, device, M, K, group, seed=0, exact_rounding=False) -> Non
     assert torch.equal(q.float(), q_ref.float())
 
 
+def fp4_experts(E: int, D: int, I: int, g: torch.Generator, device) -> tuple:
+    """Random routed experts as stored: FP4 w13 [E, 2I, D] and w2 [E, D, I] (`QuantizedWeight`s)."""
+    return tuple(quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(*shape, generator=g)
+                                                                               / shape[-1]**0.5)), (1, 32))
+                 for shape in ((E, 2 * I, D), (E, D, I)))
+
+
 def check_fp4_moe(k, device, T, D, I, E, top_k, dtype=torch.float32, seed=0, per_pair=None) -> None:
     """`fp4_moe_experts` against the reference backend's dequantizing `quantized_moe_experts` (fp32, on the CPU),
     within the dtype's rounding; every (token, expert) row written. `per_pair`: one block a pair (True),
     expert-sorted blocks (False), or the kernels' own choice by pairs (None)."""
     g = torch.Generator().manual_seed(seed)
-    w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
-                                                                         / D**0.5)), (1, 32))
-    w2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, D, I, generator=g)
-                                                                        / I**0.5)), (1, 32))
+    w13, w2 = fp4_experts(E, D, I, g, device)
     x = torch.randn(T, D, generator=g).to(device, dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(device)
     weights = torch.rand(T, top_k, generator=g).to(device)
@@ -124,10 +128,7 @@ def check_fp4_moe_with_shared(k, device, T, D, I, E, top_k, block, dtype=torch.f
     """`fp4_moe_with_shared` (routed FP4 experts and an FP8 shared expert in two launches) against the reference
     backend's routed experts plus the dequantized shared expert's clamped SwiGLU, in fp32 on the CPU."""
     g = torch.Generator().manual_seed(seed)
-    w13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, 2 * I, D, generator=g)
-                                                                         / D**0.5)), (1, 32))
-    w2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp4(torch.randn(E, D, I, generator=g)
-                                                                        / I**0.5)), (1, 32))
+    w13, w2 = fp4_experts(E, D, I, g, device)
     s13 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp8(torch.randn(2 * I, D, generator=g)
                                                                          / D**0.5, block=block)), block)
     s2 = quant.QuantizedWeight(*(t.to(device) for t in quant.quantize_fp8(torch.randn(D, I, generator=g) / I**0.5,
@@ -188,13 +189,13 @@ CASES = {
     # one block a pair: a decode step's few pairs (the default's choice), and ragged K and N past one tile
     "fp4-moe-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3)),
     "fp4-moe-pairs-ragged": (check_fp4_moe, dict(T=3, D=160, I=80, E=4, top_k=2, per_pair=True)),
-    # the decode bit for bit, in fp32 (a code to a 32-bit operation) and bf16 (two codes a 32-bit operation, bf16
-    # multiplications); and both paths' products in bf16
     # a decode step's pairs and the FP8 shared expert in two launches: whole tiles (V4's 128-column scale blocks
     # shrunk to 64), and ragged dims with V4.1's 32x32 blocks
     "fp4-moe-with-shared": (check_fp4_moe_with_shared, dict(T=1, D=128, I=64, E=5, top_k=3, block=(64, 64))),
     "fp4-moe-with-shared-ragged-bf16": (check_fp4_moe_with_shared, dict(T=2, D=96, I=48, E=4, top_k=2, block=(32, 32),
                                                                        dtype=torch.bfloat16)),
+    # the decode bit for bit, in fp32 (a code to a 32-bit operation) and bf16 (two codes a 32-bit operation, bf16
+    # multiplications); and both paths' products in bf16
     "fp4-decode-fp32": (check_fp4_dequantize, dict(dtype=torch.float32)),
     "fp4-decode-bf16": (check_fp4_dequantize, dict(dtype=torch.bfloat16)),
     "fp4-moe-bf16-pairs": (check_fp4_moe, dict(T=2, D=96, I=64, E=6, top_k=3, dtype=torch.bfloat16)),
